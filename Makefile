@@ -1,0 +1,33 @@
+# Two commands after a fresh clone: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test proto bench-engine clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch; a looser pin would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/kvservice demo
+
+test: setup
+	$(PY) -m pytest -q
+
+# Regenerate the committed gRPC stubs from proto/ (a test fails when they are stale).
+proto: setup
+	$(PY) proto/generate.py
+
+bench-engine: setup
+	$(VENV)/bin/kvservice bench engine
+
+clean:
+	rm -rf $(VENV) build *.egg-info

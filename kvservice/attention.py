@@ -1,0 +1,83 @@
+"""Attention over a paged KV cache.
+
+A layer's cache is one tensor `kv_layer` [2, num_blocks, block_size, num_kv_heads, head_dim]
+(K then V). A token at position p of a request lives in slot
+`block_ids[p // block_size] * block_size + p % block_size` of the flattened cache.
+
+A step's flat batch holds the decode tokens first (one query each, batched into a
+single SDPA call over their gathered contexts), then one span per prefill chunk.
+`AttentionMetadata` is built once per step and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """Tokens [start, end) of the flat batch: one request's prompt chunk."""
+
+    start: int
+    end: int
+    # Chunks after the first also attend to cached tokens: the slots of the whole
+    # context [0, num_computed + n) and a causal mask [n, context]. None for a first chunk.
+    context_slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    num_decode_tokens: int  # the first num_decode_tokens tokens are single-query requests
+    decode_context_slots: torch.Tensor | None  # [D, L] context slots, padded
+    decode_mask: torch.Tensor | None  # [D, 1, 1, L] True where a key may be attended
+    prefills: list[PrefillSpan]
+
+
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the step's new keys and values. k, v: [T, Hkv, D]."""
+    flat = kv_layer.flatten(1, 2)  # [2, num_blocks * block_size, Hkv, D]
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] (this step's, already written). Returns [T, Hq, D]."""
+    flat = kv_layer.flatten(1, 2)
+    out = torch.empty_like(q)
+    num_decode = meta.num_decode_tokens
+    if num_decode:
+        assert meta.decode_context_slots is not None
+        # k_ctx: [D, L, Hkv, Dh] -> [D, Hkv, L, Dh]
+        k_ctx = flat[0][meta.decode_context_slots].transpose(1, 2)
+        v_ctx = flat[1][meta.decode_context_slots].transpose(1, 2)
+        out[:num_decode] = _sdpa(q[:num_decode].unsqueeze(2), k_ctx, v_ctx, meta.decode_mask, False).squeeze(2)
+    for span in meta.prefills:
+        q_s = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, Dh]
+        if span.context_slots is None:
+            k_s = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            v_s = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            o = _sdpa(q_s, k_s, v_s, None, True)
+        else:
+            k_s = flat[0][span.context_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, Dh]
+            v_s = flat[1][span.context_slots].transpose(0, 1).unsqueeze(0)
+            o = _sdpa(q_s, k_s, v_s, span.mask, False)
+        out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool
+) -> torch.Tensor:
+    num_groups = q.shape[1] // k.shape[1]
+    if num_groups > 1:
+        # Grouped-query attention: each KV head serves num_groups query heads.
+        k = k.repeat_interleave(num_groups, dim=1)
+        v = v.repeat_interleave(num_groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)

@@ -1,0 +1,134 @@
+"""Configuration: the model's shape (from a Hugging Face config.json) and the engine's knobs.
+
+Plain Python: every config is frozen and validated when built, so a bad flag fails at
+start-up with a message that names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder; `from_hf_config` reads config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a parsed Hugging Face config.json (transformers 4.x and 5.x spellings)."""
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        # transformers 5 moved rope_theta / rope_scaling into rope_parameters.
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or rope or None
+        if scaling is not None:
+            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+            if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+                scaling = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return cls(
+            architecture=family,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama has them only with attention_bias.
+            attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """The engine's knobs: cache geometry, batching limits, placement."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 256 << 20
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    device: str = "cpu"
+    dtype: str = "auto"
+    seed: int = 0
+    kv_load_failure_policy: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {self.num_blocks}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "
+                f"got {self.kv_load_failure_policy!r}"
+            )

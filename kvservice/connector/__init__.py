@@ -1,0 +1,1 @@
+"""KV connectors: the lifecycle contract and the gRPC pull connector."""

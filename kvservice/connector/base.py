@@ -1,0 +1,162 @@
+"""The KV connector contract: how KV moves between engines, around every model step.
+
+A connector has two halves in one object (both live in the engine's process):
+
+Scheduler side, called by the `Scheduler` while it plans a step:
+  1. `get_num_new_matched_tokens(request, num_computed_tokens)` - how many prompt tokens
+     a remote source will supply, and whether they arrive asynchronously.
+  2. `update_state_after_alloc(request, block_ids, num_external_tokens)` - blocks are
+     allocated for them; remember where to load.
+  3. `build_connector_meta(scheduler_output)` - what the worker half must do this step.
+  4. `request_finished(request, block_ids)` - a request ended; returns whether freeing
+     its blocks must wait (a save or load still touches them) and its `kv_transfer_params`.
+  5. `update_connector_output(output)` - what the worker half reported after the step.
+
+Worker side, called once per step by the model runner, in this order (the
+`kv_connector_lifecycle` context manager in `kvservice.connector.lifecycle` enforces it):
+  `bind_connector_metadata(meta)` -> `start_load_kv(ctx)` -> forward, which calls
+  `wait_for_layer_load(layer)` before and `save_kv_layer(layer, ...)` after each layer's
+  attention -> `wait_for_save()` (unless finalization is deferred) ->
+  `get_finished(finished_req_ids)` -> `get_block_ids_with_load_errors()` ->
+  `get_kv_connector_stats()` -> `get_kv_connector_kv_cache_events()` ->
+  `build_connector_worker_meta()` -> `clear_connector_metadata()` (unless deferred).
+
+Optional hooks are concrete no-ops, so a connector implements only what it moves.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvservice.attention import AttentionMetadata
+    from kvservice.block_pool import KVCacheEvent
+    from kvservice.request import Request
+    from kvservice.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class KVConnectorWorkerMeta:
+    """What the worker half tells the scheduler half beyond the finished sets."""
+
+    # Decode side: the first token the remote prefill sampled, per completed load.
+    first_token_ids: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class KVConnectorOutput:
+    """What the worker half reports after a step; the scheduler half consumes it."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    kv_connector_stats: dict[str, Any] | None = None
+    kv_cache_events: list[KVCacheEvent] = field(default_factory=list)
+    kv_connector_worker_meta: KVConnectorWorkerMeta | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+
+
+class KVConnectorBase(abc.ABC):
+    """Both halves of a connector. Subclasses implement the abstract methods."""
+
+    def __init__(self) -> None:
+        self._connector_metadata: Any = None
+
+    # ------------------------------------------------------------ scheduler side
+
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Called by the scheduler for a waiting request before it allocates blocks.
+
+        Returns (number of tokens past `num_computed_tokens` whose KV an external
+        source supplies, whether that load is asynchronous, i.e. the request must wait
+        in WAITING_FOR_REMOTE_KV until `get_finished` reports it in `finished_recving`).
+        """
+
+    @abc.abstractmethod
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """Called by the scheduler after allocating blocks for a request that
+        `get_num_new_matched_tokens` matched: where the external KV must land."""
+
+    @abc.abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        """Called by the scheduler at the end of `schedule()`: the worker half's
+        instructions for this step (loads to start, saves to make). Resets the
+        scheduler half's per-step state."""
+
+    @abc.abstractmethod
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Called by the scheduler when a request finishes or is aborted, before its
+        blocks are freed. Returns (delay_free, kv_transfer_params): with delay_free the
+        scheduler frees the blocks only once the request appears in
+        `finished_sending` or `finished_recving`."""
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Called by the scheduler with each step's worker output. Default: nothing."""
+
+    # ------------------------------------------------------------ worker side
+
+    def bind_connector_metadata(self, metadata: Any) -> None:
+        """Called by the runner at the start of every step with `build_connector_meta`'s result."""
+        self._connector_metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        """Called by the runner at the end of the step (or by `finalize_kv_connector`)."""
+        self._connector_metadata = None
+
+    @property
+    def connector_metadata(self) -> Any:
+        assert self._connector_metadata is not None, "no connector metadata bound for this step"
+        return self._connector_metadata
+
+    @abc.abstractmethod
+    def start_load_kv(self, forward_context: Any) -> None:
+        """Called by the runner right after binding: start this step's loads. Must not
+        block on the network; asynchronous loads run in the background."""
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Called inside the forward before layer `layer`'s attention reads the cache.
+        Default: nothing (loads are whole-request and asynchronous)."""
+
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata) -> None:
+        """Called inside the forward after layer `layer` wrote its KV. `kv_layer` is that
+        layer's cache, [2, num_blocks, block_size, num_kv_heads, head_dim]. Default: nothing."""
+
+    def wait_for_save(self) -> None:
+        """Called by the runner after the forward (or by `finalize_kv_connector`):
+        block until this step's saves no longer need the device blocks. Default: nothing."""
+
+    @abc.abstractmethod
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """Called by the runner after every step. `finished_req_ids` are the requests
+        the scheduler finished since the last step. Returns (finished_sending: requests
+        whose blocks the saves no longer need, finished_recving: requests whose
+        asynchronous load completed, failed or was cancelled)."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Called by the runner after `get_finished`: block ids whose load failed since the
+        last call (their requests are in `finished_recving` too). Default: none."""
+        return set()
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """Called by the runner every step: transfer counters, or None."""
+        return None
+
+    def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:
+        """Called by the runner every step: KV cache events since the last call."""
+        return []
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMeta | None:
+        """Called by the runner every step: what the worker half tells the scheduler
+        half beyond the finished sets (e.g. the first token a remote prefill sampled)."""
+        return None
+
+    def shutdown(self) -> None:
+        """Stop background work and release buffers. Default: nothing."""

@@ -1,0 +1,166 @@
+"""The engine: one step = schedule() -> execute_model() -> update_from_output().
+
+Synchronous and single-threaded; `AsyncLLMEngine` runs it in a thread of its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvservice.config import EngineConfig, ModelConfig
+from kvservice.connector.base import KVConnectorBase
+from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
+from kvservice.kv_cache_manager import KVCacheManager
+from kvservice.model_loader import LoadedModel, load_model, load_model_config
+from kvservice.model_runner import ModelRunner
+from kvservice.request import Request
+from kvservice.sampling_params import SamplingParams
+from kvservice.scheduler import EngineCoreOutput, Scheduler
+from kvservice.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a step: all its generated tokens so far, plus what is new."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class _Tracked:
+    prompt_token_ids: list[int]
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, model: str, config: EngineConfig, connector: KVConnectorBase | None = None) -> None:
+        self.config = config
+        self.loaded: LoadedModel = load_model(
+            model, config.dtype, config.device, config.max_model_len or load_model_config(model).max_position_embeddings
+        )
+        self.model_config: ModelConfig = self.loaded.config
+        self.tokenizer: Tokenizer | None = self.loaded.tokenizer
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.layout = KVCacheLayout.for_model(self.model_config, config.block_size, self.loaded.dtype)
+        num_blocks = config.num_blocks or self.layout.num_blocks_for_memory(config.kv_cache_memory_bytes)
+        self.kv_caches = allocate_kv_caches(self.layout, num_blocks, self.loaded.device)
+        self.connector = connector
+        if connector is not None:
+            connector.register_kv_caches(self.kv_caches, self.layout)  # type: ignore[attr-defined]
+        self.scheduler = Scheduler(
+            KVCacheManager(num_blocks, config.block_size),
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            connector,
+            config.kv_load_failure_policy,
+        )
+        self.runner = ModelRunner(self.loaded.model, self.kv_caches, self.layout, self.loaded.device, config.seed, connector)
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+
+    # ------------------------------------------------------------ requests
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt, validated against the vocabulary and the maximum length."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer.json; pass token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("prompt: empty prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens, but the model's maximum length is {self.max_model_len} "
+                "(prompt plus at least one generated token)"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        return token_ids
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> str:
+        token_ids = self.encode(prompt)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if not request_id:
+            raise ValueError("request_id: empty")
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            kv_transfer_params=kv_transfer_params,
+        )
+        self.scheduler.add_request(request)
+        self._tracked[request_id] = _Tracked(token_ids, IncrementalDetokenizer(self.tokenizer))
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(
+            scheduler_output, runner_output.sampled_token_ids, runner_output.kv_connector_output
+        )
+        return [out for core in core_outputs if (out := self._to_request_output(core)) is not None]
+
+    def _to_request_output(self, core: EngineCoreOutput) -> RequestOutput | None:
+        tracked = self._tracked.get(core.request_id)
+        if tracked is None:
+            return None
+        tracked.token_ids.extend(core.new_token_ids)
+        new_text = tracked.detokenizer.push(core.new_token_ids)
+        if core.finish_reason is not None:
+            new_text += tracked.detokenizer.flush()
+            del self._tracked[core.request_id]
+        return RequestOutput(
+            request_id=core.request_id,
+            prompt_token_ids=tracked.prompt_token_ids,
+            token_ids=list(tracked.token_ids),
+            text=tracked.detokenizer.text,
+            new_token_ids=list(core.new_token_ids),
+            new_text=new_text,
+            finish_reason=core.finish_reason,
+            error=core.error,
+        )
+
+    # ------------------------------------------------------------ introspection
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.kv.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.scheduler.kv.num_blocks

@@ -1,0 +1,44 @@
+"""The KV cache tensors: one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvservice.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheLayout:
+    """The geometry both ends of a KV transfer must agree on."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheLayout:
+        return cls(config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim, dtype)
+
+    @property
+    def bytes_per_block_per_layer(self) -> int:
+        """K and V of one block in one layer."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_block_per_layer * self.num_layers
+
+    def blocks_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
+        """Shape of `num_blocks` blocks of one layer: [2, n, block_size, kv_heads, head_dim]."""
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def num_blocks_for_memory(self, num_bytes: int) -> int:
+        return max(1, num_bytes // self.bytes_per_block)
+
+
+def allocate_kv_caches(layout: KVCacheLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+    return [torch.zeros(layout.blocks_shape(num_blocks), dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]

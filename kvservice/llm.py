@@ -1,0 +1,49 @@
+"""Offline generation: `LLM("tiny").generate(prompts, SamplingParams(max_tokens=16))`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvservice.config import EngineConfig
+from kvservice.engine import LLMEngine, RequestOutput
+from kvservice.sampling_params import SamplingParams
+
+
+class LLM:
+    """A model plus an engine in this process. `model` is "tiny" or a Hugging Face model directory."""
+
+    def __init__(self, model: str, dtype: str = "auto", block_size: int = 16, **engine_kwargs: object) -> None:
+        self.engine = LLMEngine(model, EngineConfig(dtype=dtype, block_size=block_size, **engine_kwargs))  # type: ignore[arg-type]
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - Tokenizer | None
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One finished output per prompt, in order. A prompt is text or a list of token ids."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        request_ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_ids.append(self.engine.add_request(prompt, p))  # type: ignore[arg-type]
+            finished: dict[str, RequestOutput] = {}
+            while len(finished) < len(request_ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+            return [finished[r] for r in request_ids]
+        except BaseException:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise

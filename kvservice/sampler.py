@@ -1,0 +1,59 @@
+"""Token sampling from logits: greedy, temperature, top-k, top-p, per-request seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from kvservice.sampling_params import SamplingParams
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits: [V] (already temperature-scaled); filtered entries become -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens before it already reach top_p (keep at least one).
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[0] = False
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Samples one token per row; requests with a seed get a generator of their own."""
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self._default_generator = torch.Generator(device=device).manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: set[str]) -> None:
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
+        """logits: [N, V] float32, one row per request id."""
+        if all(p.is_greedy for p in params):
+            return logits.argmax(-1).tolist()
+        tokens: list[int] = []
+        for row, request_id, p in zip(logits, request_ids, params):
+            if p.is_greedy:
+                tokens.append(int(row.argmax()))
+                continue
+            row = apply_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
+            probs = row.softmax(-1)
+            token = torch.multinomial(probs, 1, generator=self._generator_for(request_id, p))
+            tokens.append(int(token))
+        return tokens
+
+    def _generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self._default_generator
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+            self._generators[request_id] = gen
+        return gen

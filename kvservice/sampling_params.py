@@ -1,0 +1,40 @@
+"""Sampling parameters of one request: plain Python, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick the next token, and when to stop.
+
+    `temperature=0` is greedy. `top_k=-1` and `top_p=1.0` disable those filters.
+    A request with a `seed` samples reproducibly, whatever else is in the batch.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+        # Accept any iterable of ids (a list from user code) but store a tuple: frozen stays frozen.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,299 @@
+"""Continuous batching: which requests run this step, and with how many tokens. No torch.
+
+Each step has a token budget (`max_num_batched_tokens`). Running requests go first
+(a decode token, or the next chunk of a long prompt), then waiting ones, in arrival
+order, while the budget, `max_num_seqs` and free blocks allow. When a running request
+needs a block and none is free, the most recently admitted running request is
+preempted: its blocks are freed and it is recomputed later from its tokens so far.
+
+With a KV connector, a waiting request whose prompt KV comes from elsewhere gets its
+blocks and parks in WAITING_FOR_REMOTE_KV until the connector reports the load done.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvservice.connector.base import KVConnectorBase, KVConnectorOutput
+from kvservice.kv_cache_manager import KVCacheManager
+from kvservice.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def is_sampling(self) -> bool:
+        """Whether this step reaches the end of the request's tokens, so it samples one."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    # Requests finished (or aborted) since the previous step: the connector's worker
+    # half learns of them through `get_finished(finished_req_ids)`.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: Any = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreOutput:
+    """New tokens of one request after a step; `finish_reason` set on its last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        connector: KVConnectorBase | None = None,
+        kv_load_failure_policy: str = "recompute",
+    ) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.connector = connector
+        self.kv_load_failure_policy = kv_load_failure_policy
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.waiting_for_remote_kv: dict[str, Request] = {}
+        # Finished requests whose blocks a transfer still touches: freed on its report.
+        self.pending_free: dict[str, Request] = {}
+        self._finished_req_ids: set[str] = set()
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self.num_finished = 0
+        self.num_aborted = 0
+
+    # ------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        needed = self.kv.num_blocks_for(request.max_num_tokens)
+        if needed > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt_token_ids: the request needs up to {needed} KV blocks "
+                f"({request.max_num_tokens} tokens) but the cache has {self.kv.num_blocks}"
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request in any state; returns False if it is unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None or request.status.is_finished:
+            return False
+        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        elif request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.waiting_for_remote_kv[request_id]
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self.num_aborted += 1
+        self._pending_outputs.append(EngineCoreOutput(request_id, [], "abort"))
+        return True
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote_kv)
+
+    def has_work(self) -> bool:
+        """Whether a step would do anything: requests to run, or transfers to drive."""
+        return bool(self.num_unfinished or self.pending_free or self._pending_outputs or self._finished_req_ids)
+
+    # ------------------------------------------------------------ the step
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            block_ids = self.kv.allocate_slots(request, num_new)
+            while block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+                block_ids = self.kv.allocate_slots(request, num_new)
+            if block_ids is None:
+                break
+            scheduled.append(ScheduledRequest(request, num_new, block_ids))
+            budget -= num_new
+            i += 1
+
+        # Admit waiting requests only when nothing was preempted: preemption means
+        # memory is short, and admitting more would only thrash.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if self._try_start_remote_load(request):
+                self.waiting.popleft()
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            block_ids = self.kv.allocate_slots(request, num_new)
+            if block_ids is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_new, block_ids))
+            budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self._finished_req_ids = set()
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        return output
+
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: dict[str, int],
+        connector_output: KVConnectorOutput | None = None,
+    ) -> list[EngineCoreOutput]:
+        """Advance the scheduled requests by the step's results; returns their new tokens."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for item in scheduler_output.scheduled:
+            request = item.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            token_id = sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            status = request.check_stop()
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            outputs.append(EngineCoreOutput(request.request_id, [token_id], status.finish_reason if status else None))
+        if connector_output is not None:
+            outputs.extend(self._update_from_connector(connector_output))
+        return outputs
+
+    # ------------------------------------------------------------ internals
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self._finished_req_ids.add(request.request_id)
+        if status is not RequestStatus.FINISHED_ABORTED:
+            self.num_finished += 1
+        delay_free = False
+        if self.connector is not None:
+            delay_free, _ = self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
+        if delay_free:
+            self.pending_free[request.request_id] = request
+        else:
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        self.requests.pop(request.request_id, None)
+
+    def _try_start_remote_load(self, request: Request) -> bool:
+        """Park a request whose prompt KV arrives asynchronously; True if it was parked."""
+        if self.connector is None or request.num_computed_tokens > 0:
+            return False
+        num_external, is_async = self.connector.get_num_new_matched_tokens(request, request.num_computed_tokens)
+        if num_external == 0 or not is_async:
+            return False
+        block_ids = self.kv.allocate_slots(request, num_external)
+        if block_ids is None:
+            return False
+        self.connector.update_state_after_alloc(request, block_ids, num_external)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.waiting_for_remote_kv[request.request_id] = request
+        return True
+
+    def _update_from_connector(self, output: KVConnectorOutput) -> list[EngineCoreOutput]:
+        assert self.connector is not None
+        self.connector.update_connector_output(output)
+        outputs: list[EngineCoreOutput] = []
+        failed = self._requests_with_load_errors(output.invalid_block_ids)
+        first_token_ids = output.kv_connector_worker_meta.first_token_ids if output.kv_connector_worker_meta else {}
+        for request_id in output.finished_sending | output.finished_recving:
+            pending = self.pending_free.pop(request_id, None)
+            if pending is not None:
+                self._release(pending)
+        for request_id in output.finished_recving:
+            request = self.waiting_for_remote_kv.pop(request_id, None)
+            if request is None:
+                continue
+            if request_id in failed:
+                outputs.extend(self._handle_load_failure(request))
+                continue
+            outputs.extend(self._resume_after_load(request, first_token_ids.get(request_id)))
+        return outputs
+
+    def _requests_with_load_errors(self, invalid_block_ids: set[int]) -> set[str]:
+        if not invalid_block_ids:
+            return set()
+        return {
+            request_id
+            for request_id in self.waiting_for_remote_kv
+            if invalid_block_ids.intersection(self.kv.get_block_ids(request_id))
+        }
+
+    def _resume_after_load(self, request: Request, first_token: int | None) -> list[EngineCoreOutput]:
+        """The prompt's KV is in place: continue from the first token the prefill sampled."""
+        if first_token is None:
+            return self._handle_load_failure(request)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.kv_transfer_params = None
+        request.append_output_token(first_token)
+        status = request.check_stop()
+        if status is not None:
+            self._finish(request, status)
+        else:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        return [EngineCoreOutput(request.request_id, [first_token], status.finish_reason if status else None)]
+
+    def _handle_load_failure(self, request: Request) -> list[EngineCoreOutput]:
+        request.kv_transfer_params = None
+        if self.kv_load_failure_policy == "recompute":
+            # Keep the blocks; the prompt is recomputed over them as a normal prefill.
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+            return []
+        error = "loading the prompt's KV from the prefill worker failed (kv_load_failure_policy=fail)"
+        request.error = error
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        return [EngineCoreOutput(request.request_id, [], "error", error)]

@@ -1,0 +1,255 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "sampling_params")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: TokenIds
+    sampling_params: SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "num_prompt_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class CompleteResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "num_prompt_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVTransferStats(_message.Message):
+    __slots__ = ("num_transfers", "num_failed_transfers", "num_chunks", "num_bytes", "total_seconds", "staging_bytes_in_use", "staging_bytes_capacity", "num_staged_transfers")
+    NUM_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BYTES_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    num_transfers: int
+    num_failed_transfers: int
+    num_chunks: int
+    num_bytes: int
+    total_seconds: float
+    staging_bytes_in_use: int
+    staging_bytes_capacity: int
+    num_staged_transfers: int
+    def __init__(self, num_transfers: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., total_seconds: _Optional[float] = ..., staging_bytes_in_use: _Optional[int] = ..., staging_bytes_capacity: _Optional[int] = ..., num_staged_transfers: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("role", "num_blocks_total", "num_blocks_free", "num_running_requests", "num_waiting_requests", "kv_sending", "kv_receiving", "num_finished_requests", "num_aborted_requests", "num_waiting_for_remote_kv", "workers")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_SENDING_FIELD_NUMBER: _ClassVar[int]
+    KV_RECEIVING_FIELD_NUMBER: _ClassVar[int]
+    NUM_FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ABORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FOR_REMOTE_KV_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    num_blocks_total: int
+    num_blocks_free: int
+    num_running_requests: int
+    num_waiting_requests: int
+    kv_sending: KVTransferStats
+    kv_receiving: KVTransferStats
+    num_finished_requests: int
+    num_aborted_requests: int
+    num_waiting_for_remote_kv: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
+    def __init__(self, role: _Optional[str] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_sending: _Optional[_Union[KVTransferStats, _Mapping]] = ..., kv_receiving: _Optional[_Union[KVTransferStats, _Mapping]] = ..., num_finished_requests: _Optional[int] = ..., num_aborted_requests: _Optional[int] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("address", "stats", "num_outstanding", "is_healthy")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
+    IS_HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    stats: StatsResponse
+    num_outstanding: int
+    is_healthy: bool
+    def __init__(self, address: _Optional[str] = ..., stats: _Optional[_Union[StatsResponse, _Mapping]] = ..., num_outstanding: _Optional[int] = ..., is_healthy: _Optional[bool] = ...) -> None: ...
+
+class KVTransferParams(_message.Message):
+    __slots__ = ("remote_address", "transfer_token", "num_prompt_tokens")
+    REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    remote_address: str
+    transfer_token: bytes
+    num_prompt_tokens: int
+    def __init__(self, remote_address: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "transfer_token")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: TokenIds
+    sampling_params: SamplingParams
+    transfer_token: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_token: _Optional[bytes] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("request_id", "first_token_id", "text", "finish_reason", "num_prompt_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token_id: int
+    text: str
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "kv_transfer_params")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: TokenIds
+    sampling_params: SamplingParams
+    kv_transfer_params: KVTransferParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
+
+class PullKVRequest(_message.Message):
+    __slots__ = ("request_id", "transfer_token", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_token: bytes
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class KVChunkHeader(_message.Message):
+    __slots__ = ("request_id", "layer", "first_block", "num_blocks", "dtype", "shape", "num_bytes", "crc32")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    layer: int
+    first_block: int
+    num_blocks: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    num_bytes: int
+    crc32: int
+    def __init__(self, request_id: _Optional[str] = ..., layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class KVTransferDone(_message.Message):
+    __slots__ = ("request_id", "first_token_id", "num_chunks", "num_bytes", "num_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token_id: int
+    num_chunks: int
+    num_bytes: int
+    num_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("header", "done", "payload")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    header: KVChunkHeader
+    done: KVTransferDone
+    payload: bytes
+    def __init__(self, header: _Optional[_Union[KVChunkHeader, _Mapping]] = ..., done: _Optional[_Union[KVTransferDone, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
