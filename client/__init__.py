@@ -1,0 +1,1 @@
+"""Async gRPC client library and the benchmark client for kvservice."""
