@@ -53,11 +53,8 @@ def paged_attention(
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
     if num_decode:
-        assert meta.decode_context_slots is not None
-        # k_ctx: [D, L, Hkv, Dh] -> [D, Hkv, L, Dh]
-        k_ctx = flat[0][meta.decode_context_slots].transpose(1, 2)
-        v_ctx = flat[1][meta.decode_context_slots].transpose(1, 2)
-        out[:num_decode] = _sdpa(q[:num_decode].unsqueeze(2), k_ctx, v_ctx, meta.decode_mask, False).squeeze(2)
+        assert meta.decode_context_slots is not None and meta.decode_mask is not None
+        out[:num_decode] = _decode_attention(q[:num_decode], flat, meta.decode_context_slots, meta.decode_mask)
     for span in meta.prefills:
         q_s = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, Dh]
         if span.context_slots is None:
@@ -70,6 +67,23 @@ def paged_attention(
             o = _sdpa(q_s, k_s, v_s, span.mask, False)
         out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _decode_attention(q: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query per request. q: [B, Hq, D]; slots: [B, L]; mask: [B, 1, 1, L] -> [B, Hq, D].
+
+    Plain matmuls rather than SDPA: for a single query the fused kernel's set-up
+    (and its thread fan-out on a small CPU) costs more than the arithmetic.
+    """
+    batch, num_heads, head_dim = q.shape
+    k_ctx = flat[0][slots].permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+    v_ctx = flat[1][slots].transpose(1, 2)  # [B, Hkv, L, D]
+    num_kv_heads = k_ctx.shape[1]
+    # Group the query heads that share a KV head: [B, Hkv, G, D].
+    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(qg, k_ctx) * (head_dim**-0.5)  # [B, Hkv, G, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v_ctx).view(batch, num_heads, head_dim)
 
 
 def _sdpa(

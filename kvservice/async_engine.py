@@ -1,0 +1,232 @@
+"""The asyncio face of the engine: add a request, stream its outputs, abort it.
+
+The step loop runs in a thread of its own so the event loop never blocks on a
+forward. Commands (add, abort) reach the thread through a queue and are applied
+between steps; outputs come back through `loop.call_soon_threadsafe`, one batch per
+step. A step with nothing to compute (requests only waiting for remote KV) waits on a
+wake-up event that the connector sets when a transfer finishes, never spinning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvservice.engine import LLMEngine, RequestOutput
+from kvservice.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Upper bound on an idle wait: transfers report through the wake-up event, so this only
+# bounds how late a lease expiry or a missed notification is noticed.
+_IDLE_WAIT_S = 0.05
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; the engine serves nothing more."""
+
+
+@dataclass(slots=True)
+class _Add:
+    prompt: str | list[int]
+    params: SamplingParams
+    request_id: str | None
+    kv_transfer_params: dict[str, Any] | None
+    future: asyncio.Future[str]
+    outputs: asyncio.Queue[RequestOutput | BaseException]
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run a function on the engine thread between steps (e.g. a consistent stats snapshot)."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future[Any]
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the step thread; must be called from the event loop that will consume outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort what is left, stop the step thread and wait for it."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._commands.put(None)
+        self._wakeup.set()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    def wake(self) -> None:
+        """Thread-safe: let an idle step loop run (a transfer finished)."""
+        self._wakeup.set()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # ------------------------------------------------------------ requests
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs until it finishes. Invalid input raises ValueError
+        before anything is yielded; leaving early (cancel, break) aborts the request."""
+        if self.error is not None or self._loop is None:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        future: asyncio.Future[str] = self._loop.create_future()
+        self._commands.put(_Add(prompt, params, request_id, kv_transfer_params, future, outputs))
+        self._wakeup.set()
+        rid = await future
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe and idempotent: abort a request wherever it is."""
+        self._commands.put(_Abort(request_id))
+        self._wakeup.set()
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the step thread between steps and return its result."""
+        assert self._loop is not None
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._commands.put(_Call(fn, future))
+        self._wakeup.set()
+        return await future
+
+    # ------------------------------------------------------------ the step thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._apply_commands()
+                if self._stopping:
+                    break
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                computed = self.engine.scheduler.num_unfinished > len(self.engine.scheduler.waiting_for_remote_kv)
+                outputs = self.engine.step()
+                if outputs:
+                    self._deliver(outputs)
+                elif not computed:
+                    # Only remote loads in flight: sleep until one reports (or a short bound).
+                    self._wakeup.wait(_IDLE_WAIT_S)
+                    self._wakeup.clear()
+        except BaseException as e:  # the loop must report, not vanish
+            logger.exception("engine step loop failed")
+            self.error = e
+            self._fail_all(EngineDeadError(f"engine step failed: {e!r}"))
+            return
+        self._abort_all()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is None:
+                continue
+            if isinstance(command, _Abort):
+                self.engine.abort_request(command.request_id)
+            elif isinstance(command, _Call):
+                try:
+                    self._resolve(command.future, command.fn(self.engine), None)
+                except Exception as e:
+                    self._resolve(command.future, None, e)
+            else:
+                try:
+                    rid = self.engine.add_request(
+                        command.prompt, command.params, command.request_id, command.kv_transfer_params
+                    )
+                except Exception as e:  # ValueError for bad input: the caller's to handle
+                    self._resolve(command.future, None, e)
+                    continue
+                self._streams[rid] = command.outputs
+                self._resolve(command.future, rid, None)
+
+    def _resolve(self, future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+        assert self._loop is not None
+
+        def settle() -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        self._loop.call_soon_threadsafe(settle)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        batch: list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]] = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            batch.append((stream, out))
+            if out.finished:
+                del self._streams[out.request_id]
+        if batch and self._loop is not None:
+            self._loop.call_soon_threadsafe(_put_all, batch)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._streams):
+            self.engine.abort_request(request_id)
+        self._deliver(self.engine.step() if self.engine.has_unfinished_requests() else [])
+        self._fail_all(EngineDeadError("engine stopped"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        batch = [(stream, error) for stream in self._streams.values()]
+        self._streams.clear()
+        if batch and self._loop is not None:
+            self._loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for stream, item in batch:
+        stream.put_nowait(item)

@@ -1,0 +1,1 @@
+"""Benchmarks behind `kvservice bench`: transfer throughput and its raw TCP baseline."""
