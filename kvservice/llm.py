@@ -37,11 +37,14 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 request_ids.append(self.engine.add_request(prompt, p))  # type: ignore[arg-type]
+            pending = set(request_ids)
             finished: dict[str, RequestOutput] = {}
-            while len(finished) < len(request_ids):
+            while pending:
                 for out in self.engine.step():
-                    if out.finished:
+                    # Outputs of other requests (aborts of an earlier failed call) are not ours.
+                    if out.finished and out.request_id in pending:
                         finished[out.request_id] = out
+                        pending.discard(out.request_id)
             return [finished[r] for r in request_ids]
         except BaseException:
             for request_id in request_ids:

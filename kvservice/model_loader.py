@@ -69,8 +69,10 @@ def load_model_config(model: str) -> ModelConfig:
         raise ModelLoadError(f"model {model!r}: missing config.json")
     try:
         return ModelConfig.from_hf_config(json.loads(config_file.read_text()))
-    except (KeyError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"model {model!r}: bad config.json ({e!r})") from e
+    except KeyError as e:
+        raise ModelLoadError(f"model {model!r}: config.json lacks {e}") from e
+    except ValueError as e:  # unsupported architecture, bad JSON, inconsistent shape
+        raise ModelLoadError(f"model {model!r}: config.json: {e}") from e
 
 
 def load_model(model: str, dtype: str = "auto", device: str = "cpu", max_positions: int | None = None) -> LoadedModel:

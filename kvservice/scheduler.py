@@ -82,6 +82,7 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_finished = 0
         self.num_aborted = 0
+        self.num_preemptions = 0
 
     # ------------------------------------------------------------ requests in and out
 
@@ -207,6 +208,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
