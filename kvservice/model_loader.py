@@ -68,10 +68,14 @@ def load_model_config(model: str) -> ModelConfig:
     if not config_file.is_file():
         raise ModelLoadError(f"model {model!r}: missing config.json")
     try:
-        return ModelConfig.from_hf_config(json.loads(config_file.read_text()))
+        hf_config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"model {model!r}: bad config.json ({e})") from e
+    try:
+        return ModelConfig.from_hf_config(hf_config)
     except KeyError as e:
         raise ModelLoadError(f"model {model!r}: config.json lacks {e}") from e
-    except ValueError as e:  # unsupported architecture, bad JSON, inconsistent shape
+    except ValueError as e:  # unsupported architecture, inconsistent shape
         raise ModelLoadError(f"model {model!r}: config.json: {e}") from e
 
 

@@ -145,26 +145,20 @@ class WorkerStats(_message.Message):
     def __init__(self, address: _Optional[str] = ..., stats: _Optional[_Union[StatsResponse, _Mapping]] = ..., num_outstanding: _Optional[int] = ..., is_healthy: _Optional[bool] = ...) -> None: ...
 
 class KVTransferParams(_message.Message):
-    __slots__ = ("remote_address", "transfer_token", "num_prompt_tokens")
+    __slots__ = ("remote_address", "transfer_token")
     REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     remote_address: str
     transfer_token: bytes
-    num_prompt_tokens: int
-    def __init__(self, remote_address: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, remote_address: _Optional[str] = ..., transfer_token: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "transfer_token")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("request", "transfer_token")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    prompt_token_ids: TokenIds
-    sampling_params: SamplingParams
+    request: GenerateRequest
     transfer_token: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_token: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., transfer_token: _Optional[bytes] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "text", "finish_reason", "num_prompt_tokens")
@@ -181,16 +175,12 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "kv_transfer_params")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("request", "kv_transfer_params")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    prompt_token_ids: TokenIds
-    sampling_params: SamplingParams
+    request: GenerateRequest
     kv_transfer_params: KVTransferParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
     __slots__ = ("request_id", "transfer_token", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")

@@ -220,7 +220,8 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """Decode: pull the KV from the prefill worker and stream the tokens after the first.
+        """Decode: pull the KV from the prefill worker, then stream every token (the first
+        one as the prefill sampled it, from the transfer's done frame).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
