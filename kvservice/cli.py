@@ -1,39 +1,73 @@
-"""The `kvservice` command line: one entry point, one subcommand per job."""
+"""The `kvservice` command line: one entry point, one subcommand per job.
+
+This is the composition root: it imports the servers, the client and the
+benchmarks lazily, per subcommand, so `kvservice --help` stays fast and the
+library itself never depends on the processes built on it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Callable
+
+# subcommand -> (module, add_arguments, main, help)
+COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "serve": ("kvservice.server.worker_server", "add_arguments", "main",
+              "run one worker: --role prefill | decode | both (colocated)"),
+    "proxy": ("kvservice.server.proxy_server", "add_arguments", "main",
+              "run the router that clients talk to, in front of prefill and decode workers"),
+    "launch": ("kvservice.server.launcher", "add_arguments", "main",
+               "start N prefill + M decode workers and a proxy locally; Ctrl-C stops all"),
+    "generate": ("kvservice.client.commands", "add_generate_arguments", "generate_main",
+                 "send one request and stream its tokens to the terminal"),
+    "stats": ("kvservice.client.commands", "add_stats_arguments", "stats_main",
+              "show a server's KV blocks, requests and KV transfer counters"),
+    "health": ("kvservice.client.commands", "add_health_arguments", "health_main",
+               "check a server's gRPC health (exit 0 when SERVING)"),
+    "demo": ("kvservice.demo", "add_arguments", "main",
+             "the main job: launch a prefill/decode pair on the tiny model, benchmark it, stop"),
+}
+BENCHMARKS: dict[str, tuple[str, str, str, str]] = {
+    "engine": ("kvservice.bench.engine", "add_arguments", "main",
+               "prefill and decode tokens/s at batch 1 and 16, side by side with transformers' generate"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add(sub: argparse._SubParsersAction, name: str, spec: tuple[str, str, str, str]) -> None:
+    module_name, add_name, main_name, help_text = spec
+    parser = sub.add_parser(name, help=help_text, description=help_text)
+    module = importlib.import_module(module_name)
+    getattr(module, add_name)(parser)
+    main: Callable[[argparse.Namespace], int] = getattr(module, main_name)
+    parser.set_defaults(run=main)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser; with `command`, only that subcommand's module is imported."""
     parser = argparse.ArgumentParser(
         prog="kvservice",
         description="Disaggregated prefill/decode LLM serving: prefill workers stream the KV cache over gRPC to decode workers.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    demo = commands.add_parser("demo", help="the main job: run the tiny model and report what it did")
-    from kvservice import demo as demo_module
-
-    demo_module.add_arguments(demo)
-    demo.set_defaults(run=demo_module.main)
-
-    bench = commands.add_parser("bench", help="benchmarks (engine, transfer, serve, compare)")
-    bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
-    engine = bench_commands.add_parser(
-        "engine", help="prefill and decode tokens/s at batch 1 and 16, side by side with transformers' generate"
-    )
-    from kvservice.bench import engine as bench_engine
-
-    bench_engine.add_arguments(engine)
-    engine.set_defaults(run=bench_engine.main)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, spec in COMMANDS.items():
+        if command in (None, name):
+            _add(sub, name, spec)
+        else:
+            sub.add_parser(name, help=spec[3])
+    bench_help = "benchmarks: " + ", ".join(BENCHMARKS)
+    bench = sub.add_parser("bench", help=bench_help, description=bench_help)
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for name, spec in BENCHMARKS.items():
+        _add(bench_sub, name, spec) if command in (None, "bench") else bench_sub.add_parser(name, help=spec[3])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS or command == "bench" else None).parse_args(argv)
     return int(args.run(args) or 0)
 
 

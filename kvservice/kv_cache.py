@@ -19,13 +19,21 @@ class KVCacheLayout:
     head_dim: int
     dtype: torch.dtype
 
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVCacheLayout.{name} must be a positive int, got {value!r}")
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"unsupported KV dtype {self.dtype}")
+
     @classmethod
     def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheLayout:
         return cls(config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim, dtype)
 
     @property
     def bytes_per_block_per_layer(self) -> int:
-        """K and V of one block in one layer."""
+        """K and V of one block in one layer: the unit of a KV transfer chunk."""
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property

@@ -1,0 +1,130 @@
+"""`kvservice generate`, `kvservice stats` and `kvservice health`: the client API from a terminal."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from kvservice.client.client import KVServiceClient
+
+
+def _token_ids(value: str) -> list[int]:
+    try:
+        return [int(t) for t in value.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, metavar="HOST:PORT", help="the proxy or a colocated worker")
+    parser.add_argument("prompt", nargs="?", help="prompt text (or use --prompt-token-ids)")
+    parser.add_argument("--prompt-token-ids", type=_token_ids, metavar="1,2,3", help="prompt as token ids")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default: 16)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: off)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest (default: off)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    parser.add_argument("--request-id", default="", help="request id (default: the server assigns one)")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object with token_ids, text, finish_reason")
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    if (args.prompt is None) == (args.prompt_token_ids is None):
+        print("kvservice generate: error: give a PROMPT or --prompt-token-ids (not both)", file=sys.stderr)
+        return 2
+    return asyncio.run(_generate(args))
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    prompt = args.prompt if args.prompt is not None else args.prompt_token_ids
+    token_ids: list[int] = []
+    text = ""
+    finish_reason = None
+    request_id = ""
+    async with KVServiceClient(args.target) as client:
+        try:
+            async for chunk in client.generate(
+                prompt,
+                timeout=args.timeout,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=args.seed,
+                ignore_eos=args.ignore_eos,
+                request_id=args.request_id,
+            ):
+                token_ids.extend(chunk.token_ids)
+                text += chunk.text
+                finish_reason = chunk.finish_reason or finish_reason
+                request_id = chunk.request_id
+                if not args.json:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+        except grpc.aio.AioRpcError as e:
+            print(f"\nkvservice generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps({"request_id": request_id, "token_ids": token_ids, "text": text, "finish_reason": finish_reason}))
+    else:
+        print(f"\n[{len(token_ids)} tokens, finish_reason={finish_reason}]")
+    return 0
+
+
+def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, metavar="HOST:PORT", help="a proxy or a worker")
+    parser.add_argument("--json", action="store_true", help="print the stats as one JSON object")
+
+
+def stats_main(args: argparse.Namespace) -> int:
+    return asyncio.run(_stats(args))
+
+
+async def _stats(args: argparse.Namespace) -> int:
+    async with KVServiceClient(args.target) as client:
+        try:
+            stats = await client.stats()
+        except grpc.aio.AioRpcError as e:
+            print(f"kvservice stats: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    data = MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    if args.json:
+        print(json.dumps(data))
+        return 0
+    print(f"role: {data['role']}")
+    for key in ("num_blocks_total", "num_blocks_free", "num_running_requests", "num_waiting_requests",
+                "num_waiting_for_remote_kv", "num_finished_requests", "num_aborted_requests"):
+        print(f"  {key:<28} {data[key]}")
+    for direction in ("kv_sending", "kv_receiving"):
+        print(f"  {direction}: " + ", ".join(f"{k}={v}" for k, v in data.get(direction, {}).items()))
+    for worker in data.get("workers", []):
+        s = worker.get("stats", {})
+        print(f"  worker {worker['address']} ({s.get('role', '?')}, healthy={worker['is_healthy']}, outstanding={worker['num_outstanding']}): "
+              f"blocks free {s.get('num_blocks_free', 0)}/{s.get('num_blocks_total', 0)}")
+    return 0
+
+
+def add_health_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, metavar="HOST:PORT", help="any kvservice server")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default: 5)")
+
+
+def health_main(args: argparse.Namespace) -> int:
+    async def check() -> str:
+        async with KVServiceClient(args.target) as client:
+            return await client.health(timeout=args.timeout)
+
+    try:
+        status = asyncio.run(check())
+    except grpc.aio.AioRpcError as e:
+        print(f"kvservice health: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print(status)
+    return 0 if status == "SERVING" else 1

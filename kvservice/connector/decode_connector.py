@@ -1,0 +1,230 @@
+"""The decode worker's connector: pulls a prompt's KV from its prefill worker into local blocks.
+
+Scheduler side: a waiting request whose `kv_transfer_params` name a prefill worker
+matches all its prompt tokens asynchronously; the scheduler allocates the blocks and
+parks it in WAITING_FOR_REMOTE_KV. Worker side: `start_load_kv` starts one pull task
+per new load on the connector's own event loop thread; `get_finished` reports loads
+that completed, failed or were cancelled, `get_block_ids_with_load_errors` the blocks
+of failed ones, and the worker meta carries the first token each prefill sampled.
+An aborted load is cancelled and reported only once its task has stopped writing, so
+its blocks are never freed under a write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from kvservice.connector.base import KVConnectorBase, KVConnectorWorkerMeta
+from kvservice.connector.kv_puller import LoadResult, LoadSpec, PullStats, pull_kv
+from kvservice.kv_cache import KVCacheLayout
+from kvservice.request import Request, RequestStatus
+from kvservice.scheduler import SchedulerOutput
+
+REMOTE_ADDRESS = "remote_address"
+TRANSFER_TOKEN = "transfer_token"
+
+
+@dataclass(slots=True)
+class DecodeConnectorMetadata:
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+class TransferLoop:
+    """An asyncio event loop on a thread of its own, for the pull tasks and their channels."""
+
+    def __init__(self, name: str = "kv-transfer") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+class DecodeKVConnector(KVConnectorBase):
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        transfer_timeout: float = 120.0,
+        max_concurrent_pulls: int = 8,
+        channel_credentials: grpc.ChannelCredentials | None = None,
+        on_load_done: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.layout = layout
+        self.transfer_timeout = transfer_timeout
+        self.channel_credentials = channel_credentials
+        self.on_load_done = on_load_done
+        self.stats = PullStats()
+        self._kv_caches: list[torch.Tensor] = []
+        self._new_loads: list[LoadSpec] = []  # scheduler side, until the next metadata
+        self._loading: dict[str, LoadSpec] = {}  # engine thread: loads started, not yet reported
+        self._tasks: dict[str, asyncio.Task[LoadResult]] = {}  # transfer loop: the running pulls
+        self._done: collections.deque[tuple[LoadSpec, LoadResult]] = collections.deque()
+        self._load_error_blocks: set[int] = set()
+        self._first_token_ids: dict[str, int] = {}
+        self._transfer_loop = TransferLoop()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._max_concurrent_pulls = max_concurrent_pulls
+        self._pull_slots: asyncio.Semaphore | None = None
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], layout: KVCacheLayout) -> None:
+        assert layout == self.layout, f"engine KV layout {layout} differs from the connector's {self.layout}"
+        self._kv_caches = kv_caches
+
+    # ------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params is None or REMOTE_ADDRESS not in params or num_computed_tokens > 0:
+            return 0, False
+        return request.num_prompt_tokens, True
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        assert params is not None
+        num_blocks = -(-num_external_tokens // self.layout.block_size)
+        self._new_loads.append(
+            LoadSpec(
+                request_id=request.request_id,
+                remote_address=params[REMOTE_ADDRESS],
+                transfer_token=params[TRANSFER_TOKEN],
+                block_ids=list(block_ids[:num_blocks]),
+                num_tokens=num_external_tokens,
+            )
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DecodeConnectorMetadata:
+        meta = DecodeConnectorMetadata(self._new_loads)
+        self._new_loads = []
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # A load still in flight writes into the blocks: free them once it is reported.
+        if request.status is RequestStatus.FINISHED_ABORTED and request.request_id in self._loading:
+            return True, None
+        if any(spec.request_id == request.request_id for spec in self._new_loads):
+            # Aborted in the same step its load was planned: drop the plan, free now.
+            self._new_loads = [s for s in self._new_loads if s.request_id != request.request_id]
+        return False, None
+
+    # ------------------------------------------------------------ worker side
+
+    def start_load_kv(self, forward_context: Any) -> None:
+        meta: DecodeConnectorMetadata = self.connector_metadata
+        for spec in meta.loads:
+            self._loading[spec.request_id] = spec
+            self._transfer_loop.loop.call_soon_threadsafe(self._start_pull, spec)
+
+    # The pull tasks live on the transfer loop; these three run there only.
+
+    def _start_pull(self, spec: LoadSpec) -> None:
+        task = asyncio.get_running_loop().create_task(self._pull(spec))
+        self._tasks[spec.request_id] = task
+        task.add_done_callback(lambda t: self._on_pull_done(spec, t))
+
+    async def _pull(self, spec: LoadSpec) -> LoadResult:
+        if self._pull_slots is None:
+            self._pull_slots = asyncio.Semaphore(self._max_concurrent_pulls)
+        async with self._pull_slots:
+            channel = self._channel(spec.remote_address)
+            return await pull_kv(channel, spec, self._kv_caches, self.layout, self.transfer_timeout, self.stats)
+
+    def _on_pull_done(self, spec: LoadSpec, task: asyncio.Task[LoadResult]) -> None:
+        """The task has stopped: only now may its blocks be reported (and freed)."""
+        self._tasks.pop(spec.request_id, None)
+        if task.cancelled():
+            result = LoadResult(spec.request_id, None, "cancelled")
+        elif task.exception() is not None:
+            result = LoadResult(spec.request_id, None, f"pull failed: {task.exception()!r}")
+        else:
+            result = task.result()
+        self._done.append((spec, result))
+        self._notify()
+
+    def _cancel_pull(self, request_id: str) -> None:
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    def _notify(self) -> None:
+        if self.on_load_done is not None:
+            self.on_load_done()
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            options = [("grpc.max_receive_message_length", 64 << 20)]
+            if self.channel_credentials is not None:
+                channel = grpc.aio.secure_channel(address, self.channel_credentials, options=options)
+            else:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            self._channels[address] = channel
+        return channel
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        for request_id in finished_req_ids & self._loading.keys():
+            self._transfer_loop.loop.call_soon_threadsafe(self._cancel_pull, request_id)
+        finished_recving: set[str] = set()
+        while self._done:
+            spec, result = self._done.popleft()
+            self._loading.pop(spec.request_id, None)
+            finished_recving.add(spec.request_id)
+            if result.error is None and result.first_token_id is not None:
+                self._first_token_ids[spec.request_id] = result.first_token_id
+            else:
+                self._load_error_blocks.update(spec.block_ids)
+        return set(), finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        blocks, self._load_error_blocks = self._load_error_blocks, set()
+        return blocks
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMeta | None:
+        if not self._first_token_ids:
+            return None
+        meta = KVConnectorWorkerMeta(first_token_ids=self._first_token_ids)
+        self._first_token_ids = {}
+        return meta
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        return self.stats.as_dict()
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loading)
+
+    def shutdown(self) -> None:
+        async def close_channels() -> None:
+            for task in list(self._tasks.values()):
+                task.cancel()
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            for channel in self._channels.values():
+                await channel.close()
+
+        if not self._transfer_loop.loop.is_closed():
+            try:
+                self._transfer_loop.submit(close_channels()).result(timeout=5)
+            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+                pass
+        self._transfer_loop.close()

@@ -1,0 +1,138 @@
+"""One KV pull: stream a transfer's chunks from its prefill worker into local blocks.
+
+Every chunk is validated (request id, layer, block range, dtype, shape, size,
+checksum, no block written twice) before it touches the cache; a chunk can only
+land in the blocks allocated to its own request. The transfer is complete when
+the `done` frame arrives and every layer's every block has been written.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from kvservice.connector import wire
+from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
+from kvservice.kv_cache import KVCacheLayout
+from kvservice.v1 import kvservice_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    request_id: str
+    remote_address: str
+    transfer_token: bytes
+    block_ids: list[int]  # local blocks that receive the prompt's KV, in order
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    request_id: str
+    first_token_id: int | None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class PullStats:
+    num_transfers: int = 0
+    num_failed_transfers: int = 0
+    num_chunks: int = 0
+    num_bytes: int = 0
+    total_seconds: float = 0.0
+    transfer_seconds: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "num_transfers": self.num_transfers,
+            "num_failed_transfers": self.num_failed_transfers,
+            "num_chunks": self.num_chunks,
+            "num_bytes": self.num_bytes,
+            "total_seconds": self.total_seconds,
+        }
+
+
+async def pull_kv(
+    channel: grpc.aio.Channel,
+    spec: LoadSpec,
+    kv_caches: list[torch.Tensor],
+    layout: KVCacheLayout,
+    timeout: float,
+    stats: PullStats,
+) -> LoadResult:
+    """Pull one transfer; failures come back as a LoadResult with `error`, never raised."""
+    request = pb.PullKVRequest(
+        request_id=spec.request_id,
+        transfer_token=spec.transfer_token,
+        num_layers=layout.num_layers,
+        block_size=layout.block_size,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=wire.dtype_name(layout.dtype),
+    )
+    call = channel.unary_stream(
+        PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=None
+    )(request, timeout=timeout)
+    num_blocks = len(spec.block_ids)
+    device = kv_caches[0].device if kv_caches else torch.device("cpu")
+    block_ids = torch.tensor(spec.block_ids, dtype=torch.long, device=device)
+    # written[layer][block]: each block of each layer exactly once.
+    written = [bytearray(num_blocks) for _ in range(layout.num_layers)]
+    start = time.perf_counter()
+    num_chunks = num_bytes = 0
+    error: str | None = None
+    first_token_id: int | None = None
+    try:
+        async for frame in call:
+            decoded = wire.decode_frame(frame)
+            if decoded.done is not None:
+                first_token_id = _check_done(decoded.done, spec, written, num_chunks)
+                break
+            header = decoded.header
+            assert header is not None
+            wire.validate_chunk(header, decoded.payload, layout, spec.request_id, num_blocks)
+            first, n = header.first_block, header.num_blocks
+            if any(written[header.layer][first : first + n]):
+                raise wire.KVChunkError(f"header.first_block: blocks [{first}, {first + n}) of layer {header.layer} sent twice")
+            src = wire.payload_view(decoded.payload, layout, n)  # [2, n, block_size, kv_heads, head_dim]
+            kv_caches[header.layer].index_copy_(1, block_ids[first : first + n], src.to(device, non_blocking=True))
+            written[header.layer][first : first + n] = b"\x01" * n
+            num_chunks += 1
+            num_bytes += len(decoded.payload)
+            stats.num_chunks += 1
+            stats.num_bytes += len(decoded.payload)
+        else:
+            error = "the PullKV stream ended without its done frame"
+    except grpc.aio.AioRpcError as e:
+        error = f"PullKV from {spec.remote_address} failed: {e.code().name}: {e.details()}"
+    except wire.KVChunkError as e:
+        error = f"rejected a chunk from {spec.remote_address}: {e}"
+        call.cancel()
+    finally:
+        if first_token_id is None and error is None:  # cancelled
+            call.cancel()
+    elapsed = time.perf_counter() - start
+    stats.num_transfers += 1
+    stats.total_seconds += elapsed
+    if error is not None:
+        stats.num_failed_transfers += 1
+        return LoadResult(spec.request_id, None, error)
+    stats.transfer_seconds.append(elapsed)
+    return LoadResult(spec.request_id, first_token_id)
+
+
+def _check_done(done: pb.KVTransferDone, spec: LoadSpec, written: list[bytearray], num_chunks: int) -> int:
+    if done.request_id != spec.request_id:
+        raise wire.KVChunkError(f"done.request_id: got {done.request_id[:64]!r}, expected {spec.request_id!r}")
+    if done.num_tokens != spec.num_tokens:
+        raise wire.KVChunkError(f"done.num_tokens: got {done.num_tokens}, expected {spec.num_tokens}")
+    if done.num_chunks != num_chunks:
+        raise wire.KVChunkError(f"done.num_chunks: got {done.num_chunks}, received {num_chunks}")
+    missing = next((layer for layer, blocks in enumerate(written) if not all(blocks)), None)
+    if missing is not None:
+        raise wire.KVChunkError(f"done: layer {missing} is missing blocks")
+    return done.first_token_id

@@ -1,0 +1,147 @@
+"""The `KVTransfer.PullKV` service on prefill workers: streams staged KV as it is published.
+
+Registered as a generic handler with identity serializers: frames leave as the raw
+bytes built by `wire.encode_chunk` (the header through protobuf, the payload joined
+with one copy out of the staging buffer), which are still valid `KVChunk` messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from kvservice.connector import wire
+from kvservice.connector.transfer_registry import (
+    StagedTransfer,
+    TransferDenied,
+    TransferNotFound,
+    TransferRegistry,
+    TransferState,
+)
+from kvservice.kv_cache import KVCacheLayout
+from kvservice.v1 import kvservice_pb2 as pb
+
+PULL_KV_METHOD = "/kvservice.v1.KVTransfer/PullKV"
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """Counters of one direction of KV traffic; plain numbers, updated on one event loop."""
+
+    num_transfers: int = 0
+    num_failed_transfers: int = 0
+    num_chunks: int = 0
+    num_bytes: int = 0
+    total_seconds: float = 0.0
+
+    def to_proto(self, into: pb.KVTransferStats) -> None:
+        into.num_transfers = self.num_transfers
+        into.num_failed_transfers = self.num_failed_transfers
+        into.num_chunks = self.num_chunks
+        into.num_bytes = self.num_bytes
+        into.total_seconds = self.total_seconds
+
+
+class KVTransferService:
+    def __init__(self, registry: TransferRegistry, registration_timeout: float = 30.0) -> None:
+        self.registry = registry
+        self.registration_timeout = registration_timeout
+        self.stats = TransferStats()
+        layout = registry.layout
+        self._dtype = wire.dtype_name(layout.dtype)
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            "kvservice.v1.KVTransfer",
+            {
+                "PullKV": grpc.unary_stream_rpc_method_handler(
+                    self.pull_kv, request_deserializer=pb.PullKVRequest.FromString, response_serializer=None
+                )
+            },
+        )
+
+    async def pull_kv(self, request: pb.PullKVRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        layout = self.registry.layout
+        mismatch = _layout_mismatch(request, layout, self._dtype)
+        if mismatch:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: empty")
+        try:
+            transfer = await self.registry.wait_registered(request.request_id, self.registration_timeout)
+            changed = self.registry.start_pull(transfer, request.transfer_token)
+        except TransferNotFound as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except TransferDenied as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        start = time.perf_counter()
+        ok = False
+        try:
+            async for frame in self._frames(transfer, changed):
+                yield frame
+            ok = True
+        finally:
+            self.registry.end_pull(transfer, changed)
+            self.stats.num_transfers += 1
+            self.stats.total_seconds += time.perf_counter() - start
+            if not ok:
+                self.stats.num_failed_transfers += 1
+        if transfer.state is TransferState.FAILED:
+            await context.abort(grpc.StatusCode.ABORTED, transfer.error or "transfer failed")
+
+    async def _frames(self, transfer: StagedTransfer, changed: asyncio.Event) -> AsyncIterator[bytes]:
+        num_sent = 0
+        num_bytes = 0
+        layout = self.registry.layout
+        buffer = transfer.buffer.tensor
+        while True:
+            changed.clear()
+            chunks, state = self.registry.snapshot(transfer, num_sent)
+            for chunk in chunks:
+                payload = memoryview(buffer[chunk.offset : chunk.offset + chunk.num_bytes].numpy())
+                yield wire.encode_chunk(
+                    request_id=transfer.request_id,
+                    layer=chunk.layer,
+                    first_block=chunk.first_block,
+                    num_blocks=chunk.num_blocks,
+                    dtype=self._dtype,
+                    shape=layout.blocks_shape(chunk.num_blocks),
+                    payload=payload,
+                )
+                num_sent += 1
+                num_bytes += chunk.num_bytes
+                self.stats.num_chunks += 1
+                self.stats.num_bytes += chunk.num_bytes
+            if state is TransferState.FAILED:
+                return
+            if state is TransferState.COMPLETE and not chunks:
+                assert transfer.first_token_id is not None
+                yield wire.encode_done(
+                    request_id=transfer.request_id,
+                    first_token_id=transfer.first_token_id,
+                    num_chunks=num_sent,
+                    num_bytes=num_bytes,
+                    num_tokens=transfer.num_tokens,
+                )
+                return
+            if not chunks:
+                # Wake on the next publish, or renew the lease while the prefill runs.
+                try:
+                    await asyncio.wait_for(changed.wait(), self.registry.lease_seconds / 3)
+                except TimeoutError:
+                    pass
+
+
+def _layout_mismatch(request: pb.PullKVRequest, layout: KVCacheLayout, dtype: str) -> str | None:
+    theirs = (request.num_layers, request.block_size, request.num_kv_heads, request.head_dim, request.dtype)
+    ours = (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, dtype)
+    if theirs != ours:
+        return (
+            "KV layout mismatch (num_layers, block_size, num_kv_heads, head_dim, dtype): "
+            f"puller {theirs}, prefill worker {ours}"
+        )
+    return None

@@ -1,0 +1,328 @@
+"""The prefill side's book of staged transfers: what is staged, who may pull it, until when.
+
+A transfer is registered (request id, secret token, prompt length) before its prefill
+runs, with a staging reservation for all of its KV. The engine thread stages chunks
+layer by layer and publishes them; a `PullKV` stream, on the server's event loop,
+sends chunks as they are published. The transfer's memory goes back to the pool when
+the pull completes, when the transfer fails and no pull holds it, or when its lease
+runs out. Thread-safe: one lock, and waiters are woken on their own event loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvservice.connector.staging import StagingBuffer, StagingPool
+from kvservice.kv_cache import KVCacheLayout
+
+
+class TransferError(Exception):
+    """Base of the registry's errors; each maps to one gRPC status code at the edge."""
+
+
+class TransferNotFound(TransferError):
+    pass
+
+
+class TransferDenied(TransferError):
+    pass
+
+
+class StagingExhausted(TransferError):
+    pass
+
+
+class TransferState(enum.Enum):
+    STAGING = enum.auto()  # prefill running; chunks being published
+    COMPLETE = enum.auto()  # every chunk published and the first token known
+    FAILED = enum.auto()
+
+
+@dataclass(frozen=True, slots=True)
+class StagedChunk:
+    """Blocks [first_block, first_block + num_blocks) of one layer, at `offset` in the buffer."""
+
+    layer: int
+    first_block: int
+    num_blocks: int
+    offset: int
+    num_bytes: int
+
+
+@dataclass(eq=False)
+class StagedTransfer:
+    request_id: str
+    token: bytes
+    num_tokens: int
+    num_blocks: int
+    buffer: StagingBuffer
+    lease_deadline: float
+    state: TransferState = TransferState.STAGING
+    # Chunks are laid out in the buffer in staging order, each [2, n, block_size, kv_heads, head_dim].
+    next_offset: int = 0
+    chunks: list[StagedChunk] = field(default_factory=list)
+    first_token_id: int | None = None
+    error: str | None = None
+    num_pins: int = 0  # pulls and writers using the buffer; it is released only at zero
+    is_pulled: bool = False
+    is_released: bool = False
+    registered_at: float = field(default_factory=time.monotonic)
+    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=list)
+
+
+class TransferRegistry:
+    def __init__(self, pool: StagingPool, layout: KVCacheLayout, lease_seconds: float = 30.0) -> None:
+        self.pool = pool
+        self.layout = layout
+        self.lease_seconds = lease_seconds
+        self._lock = threading.Lock()
+        self._transfers: dict[str, StagedTransfer] = {}
+        # Pulls that arrived before their transfer was registered.
+        self._registration_waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._space_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        # Requests whose prefill was refused before registering: early pulls fail at once.
+        self._rejected: dict[str, tuple[str, float]] = {}
+        self.on_release: Callable[[StagedTransfer], None] | None = None
+
+    def transfer_bytes(self, num_tokens: int) -> int:
+        num_blocks = -(-num_tokens // self.layout.block_size)
+        return num_blocks * self.layout.bytes_per_block
+
+    # ------------------------------------------------------------ registration (server loop)
+
+    def register(self, request_id: str, token: bytes, num_tokens: int) -> StagedTransfer:
+        """Reserve staging for a prompt's KV. Raises StagingExhausted when it does not fit now."""
+        num_blocks = -(-num_tokens // self.layout.block_size)
+        num_bytes = num_blocks * self.layout.bytes_per_block
+        if not self.pool.fits(num_bytes):
+            raise StagingExhausted(
+                f"the prompt's KV ({num_bytes} bytes) is larger than the whole staging pool "
+                f"({self.pool.capacity_bytes} bytes)"
+            )
+        with self._lock:
+            if request_id in self._transfers:
+                raise TransferDenied(f"request_id {request_id!r} already has a staged transfer")
+            buffer = self.pool.reserve(num_bytes)
+            if buffer is None:
+                raise StagingExhausted(f"staging pool full ({self.pool.bytes_in_use}/{self.pool.capacity_bytes} bytes in use)")
+            transfer = StagedTransfer(request_id, token, num_tokens, num_blocks, buffer, time.monotonic() + self.lease_seconds)
+            self._transfers[request_id] = transfer
+            waiters = self._registration_waiters.pop(request_id, [])
+        _wake(waiters)
+        return transfer
+
+    async def register_when_space(self, request_id: str, token: bytes, num_tokens: int, timeout: float) -> StagedTransfer:
+        """`register`, waiting up to `timeout` seconds for staging space to free up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            event = asyncio.Event()
+            with self._lock:
+                self._space_waiters.append((asyncio.get_running_loop(), event))
+            try:
+                return self.register(request_id, token, num_tokens)
+            except StagingExhausted:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self.pool.fits(self.transfer_bytes(num_tokens)):
+                    raise
+                try:
+                    await asyncio.wait_for(event.wait(), remaining)
+                except TimeoutError:
+                    pass
+            finally:
+                with self._lock:
+                    self._space_waiters = [w for w in self._space_waiters if w[1] is not event]
+
+    def reject(self, request_id: str, error: str) -> None:
+        """The prefill for `request_id` will never register (refused, invalid): pulls fail now."""
+        with self._lock:
+            if request_id in self._transfers:
+                return
+            self._rejected[request_id] = (error, time.monotonic() + self.lease_seconds)
+            waiters = self._registration_waiters.pop(request_id, [])
+        _wake(waiters)
+
+    # ------------------------------------------------------------ staging (engine thread)
+
+    def get(self, request_id: str) -> StagedTransfer | None:
+        with self._lock:
+            return self._transfers.get(request_id)
+
+    def pin(self, request_id: str) -> StagedTransfer | None:
+        """Hold a live transfer's buffer (a writer or a pull); None if it is gone or failed."""
+        with self._lock:
+            transfer = self._transfers.get(request_id)
+            if transfer is None or transfer.state is TransferState.FAILED:
+                return None
+            transfer.num_pins += 1
+            return transfer
+
+    def unpin(self, transfer: StagedTransfer) -> None:
+        with self._lock:
+            transfer.num_pins -= 1
+            release = self._should_release(transfer)
+        if release:
+            self._release(transfer)
+
+    def chunk_buffer(self, transfer: StagedTransfer, layer: int, first_block: int, num_blocks: int) -> tuple[StagedChunk, torch.Tensor]:
+        """Room for one chunk in the transfer's buffer (engine thread, with the transfer pinned):
+        the chunk and a [2, n, block_size, kv_heads, head_dim] tensor to copy it into."""
+        L = self.layout
+        num_bytes = num_blocks * L.bytes_per_block_per_layer
+        offset = transfer.next_offset
+        assert offset + num_bytes <= transfer.buffer.num_bytes, "staged more than the transfer reserved"
+        assert first_block + num_blocks <= transfer.num_blocks and layer < L.num_layers
+        transfer.next_offset += num_bytes
+        view = transfer.buffer.tensor[offset : offset + num_bytes].view(L.dtype).view(L.blocks_shape(num_blocks))
+        return StagedChunk(layer, first_block, num_blocks, offset, num_bytes), view
+
+    def publish(self, transfer: StagedTransfer, chunk: StagedChunk) -> None:
+        """A staged chunk's bytes are in place: it may be sent."""
+        with self._lock:
+            if transfer.state is not TransferState.STAGING:
+                return
+            transfer.chunks.append(chunk)
+            waiters = list(transfer.waiters)
+        _wake(waiters)
+
+    def complete(self, request_id: str, first_token_id: int) -> None:
+        """Every chunk is published and the prefill sampled `first_token_id`."""
+        with self._lock:
+            transfer = self._transfers.get(request_id)
+            if transfer is None or transfer.state is not TransferState.STAGING:
+                return
+            transfer.state = TransferState.COMPLETE
+            transfer.first_token_id = first_token_id
+            waiters = list(transfer.waiters)
+        _wake(waiters)
+
+    def fail(self, request_id: str, error: str) -> None:
+        """The transfer will not complete (aborted, lease expired): pulls end with `error`."""
+        with self._lock:
+            transfer = self._transfers.get(request_id)
+            if transfer is None or transfer.state is TransferState.FAILED:
+                return
+            transfer.state = TransferState.FAILED
+            transfer.error = error
+            waiters = list(transfer.waiters)
+            release = self._should_release(transfer)
+        _wake(waiters)
+        if release:
+            self._release(transfer)
+
+    # ------------------------------------------------------------ pulling (server loop)
+
+    async def wait_registered(self, request_id: str, timeout: float) -> StagedTransfer:
+        """The transfer, waiting up to `timeout` for its prefill request to register it."""
+        event = asyncio.Event()
+        with self._lock:
+            transfer = self._transfers.get(request_id)
+            rejected = self._rejected.get(request_id)
+            if rejected is not None:
+                raise TransferNotFound(f"the prefill of request_id {request_id!r} was refused: {rejected[0]}")
+            if transfer is None:
+                self._registration_waiters.setdefault(request_id, []).append((asyncio.get_running_loop(), event))
+        if transfer is not None:
+            return transfer
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            raise TransferNotFound(f"no transfer registered for request_id {request_id!r}") from None
+        finally:
+            with self._lock:
+                waiters = self._registration_waiters.get(request_id, [])
+                waiters[:] = [w for w in waiters if w[1] is not event]
+                if not waiters:
+                    self._registration_waiters.pop(request_id, None)
+        with self._lock:
+            transfer = self._transfers.get(request_id)
+            rejected = self._rejected.get(request_id)
+        if transfer is None:
+            reason = f": {rejected[0]}" if rejected else ""
+            raise TransferNotFound(f"transfer for request_id {request_id!r} is gone{reason}")
+        return transfer
+
+    def start_pull(self, transfer: StagedTransfer, token: bytes) -> asyncio.Event:
+        """Claim the transfer for one pull; returns the event set whenever it changes."""
+        import hmac
+
+        if not hmac.compare_digest(transfer.token, token):
+            raise TransferDenied("transfer_token does not match this transfer")
+        event = asyncio.Event()
+        with self._lock:
+            if transfer.is_pulled or transfer.is_released:
+                raise TransferDenied(f"transfer for request_id {transfer.request_id!r} was already pulled")
+            transfer.is_pulled = True
+            transfer.num_pins += 1
+            transfer.lease_deadline = time.monotonic() + self.lease_seconds
+            transfer.waiters.append((asyncio.get_running_loop(), event))
+        return event
+
+    def snapshot(self, transfer: StagedTransfer, num_sent: int) -> tuple[list[StagedChunk], TransferState]:
+        """Chunks published after the first `num_sent`, and the state; renews the lease."""
+        with self._lock:
+            transfer.lease_deadline = time.monotonic() + self.lease_seconds
+            return transfer.chunks[num_sent:], transfer.state
+
+    def end_pull(self, transfer: StagedTransfer, event: asyncio.Event) -> None:
+        """The pull ended (sent everything, failed or was cancelled): the transfer is done with."""
+        with self._lock:
+            transfer.waiters = [w for w in transfer.waiters if w[1] is not event]
+            transfer.num_pins -= 1
+            if transfer.state is TransferState.STAGING:
+                transfer.state = TransferState.FAILED
+                transfer.error = "the pull ended before the transfer completed"
+            release = self._should_release(transfer, pulled=True)
+        if release:
+            self._release(transfer)
+
+    # ------------------------------------------------------------ leases
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Fail transfers whose lease ran out; returns their request ids."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._rejected = {k: v for k, v in self._rejected.items() if v[1] >= now}
+            expired = [t.request_id for t in self._transfers.values() if t.lease_deadline < now and not t.is_released]
+        for request_id in expired:
+            self.fail(request_id, "lease expired before the decode side pulled the KV")
+        return expired
+
+    @property
+    def num_transfers(self) -> int:
+        with self._lock:
+            return len(self._transfers)
+
+    # ------------------------------------------------------------ internals
+
+    def _should_release(self, transfer: StagedTransfer, pulled: bool = False) -> bool:
+        """Under the lock: nobody holds the buffer and it is failed, or pulled to the end."""
+        if transfer.is_released or transfer.num_pins > 0:
+            return False
+        if transfer.state is TransferState.FAILED or (pulled and transfer.is_pulled):
+            transfer.is_released = True
+            return True
+        return False
+
+    def _release(self, transfer: StagedTransfer) -> None:
+        with self._lock:
+            self._transfers.pop(transfer.request_id, None)
+            space_waiters = list(self._space_waiters)
+        self.pool.release(transfer.buffer)
+        _wake(space_waiters)
+        if self.on_release is not None:
+            self.on_release(transfer)
+
+
+def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
+    for loop, event in waiters:
+        try:
+            loop.call_soon_threadsafe(event.set)
+        except RuntimeError:  # that loop is closed: its waiter is gone
+            pass

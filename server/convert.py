@@ -1,0 +1,72 @@
+"""The one place that translates between protobuf messages and engine objects."""
+
+from __future__ import annotations
+
+from kvservice.engine import RequestOutput
+from kvservice.sampling_params import SamplingParams
+from kvservice.v1 import kvservice_pb2 as pb
+
+DEFAULT_MAX_TOKENS = 16
+
+FINISH_REASONS: dict[str | None, int] = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+
+def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
+    """Absent fields take their defaults; zero is a real value (greedy), never "unset"."""
+    try:
+        return SamplingParams(
+            temperature=sp.temperature if sp.HasField("temperature") else 1.0,
+            top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+            top_k=sp.top_k if sp.HasField("top_k") else -1,
+            max_tokens=sp.max_tokens if sp.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+            seed=sp.seed if sp.HasField("seed") else None,
+            stop_token_ids=tuple(sp.stop_token_ids),
+            ignore_eos=sp.ignore_eos,
+        )
+    except ValueError as e:
+        raise ValueError(f"sampling_params.{e}") from None
+
+
+def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    sp = pb.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=params.max_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        sp.seed = params.seed
+    return sp
+
+
+def prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        if not request.text:
+            raise ValueError("prompt: empty text")
+        return request.text
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    raise ValueError("prompt: set either text or token_ids")
+
+
+def finish_reason_to_proto(reason: str | None) -> int:
+    # "error" never reaches the wire as a reason: it becomes a status code.
+    return FINISH_REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
+
+
+def response_from_output(output: RequestOutput, new_token_ids: list[int], new_text: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        request_id=output.request_id,
+        token_ids=new_token_ids,
+        text=new_text,
+        finish_reason=finish_reason_to_proto(output.finish_reason),
+        num_prompt_tokens=len(output.prompt_token_ids),
+    )

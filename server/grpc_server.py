@@ -1,0 +1,105 @@
+"""What every kvservice server shares: a grpc.aio server with health and reflection,
+bound to a port, stopped gracefully on SIGTERM or SIGINT.
+
+On a signal: health turns NOT_SERVING, the server stops accepting RPCs, in-flight
+ones get `grace` seconds to finish, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvservice.v1 import kvservice_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class GrpcServer:
+    def __init__(self, service_names: Sequence[str], credentials: grpc.ServerCredentials | None = None) -> None:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+        self.credentials = credentials
+        self.port = 0
+        self.set_serving(False)
+
+    def bind(self, host: str, port: int) -> int:
+        address = f"{host}:{port}"
+        if self.credentials is not None:
+            self.port = self.server.add_secure_port(address, self.credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address}")
+        return self.port
+
+    def set_serving(self, is_serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            self.health.set(name, status)
+
+    async def run_until_signalled(
+        self, grace: float, on_stop: Callable[[], Awaitable[None]] | None = None, ready_line: str | None = None
+    ) -> None:
+        """Start, print `ready_line` (tests and the launcher wait for it), serve until SIGTERM/SIGINT."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await self.server.start()
+        if ready_line:
+            print(ready_line, flush=True)
+        try:
+            await stop.wait()
+        finally:
+            logger.info("stopping: draining in-flight requests for up to %.1f s", grace)
+            self.set_serving(False)
+            await self.server.stop(grace)
+            if on_stop is not None:
+                await on_stop()
+
+
+SERVICE_NAMES = {
+    "generation": pb.DESCRIPTOR.services_by_name["Generation"].full_name,
+    "worker": pb.DESCRIPTOR.services_by_name["Worker"].full_name,
+    "kv_transfer": pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name,
+}
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+T = TypeVar("T")
+
+
+def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run on uvloop where it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)

@@ -1,0 +1,198 @@
+"""`kvservice launch`: N prefill + M decode workers and a proxy as local child processes.
+
+`LocalCluster` is also what the demo, the benchmarks and the tests use: every child
+listens on a port the OS picks and prints it on its ready line; the cluster is ready
+when the proxy's health check says SERVING; stopping sends SIGTERM (graceful drain),
+then SIGKILL to anything still alive after the grace period. No process outlives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvservice.client.client import KVServiceClient
+
+# Malloc settings that keep large message buffers out of fresh mmaps (DESIGN.md: the
+# biggest single win for gRPC throughput), and OpenMP threads that sleep instead of
+# spinning against gRPC's threads. Both must be in the environment at process start.
+WORKER_ENV = {
+    "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296:"
+    "glibc.malloc.top_pad=67108864:glibc.malloc.arena_max=1",
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "PYTHONUNBUFFERED": "1",
+}
+_READY = re.compile(r"listening on (\S+:\d+)")
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class ChildProcess:
+    name: str
+    process: asyncio.subprocess.Process
+    address: str = ""
+    drain: asyncio.Task[None] | None = None
+
+
+@dataclass
+class LocalCluster:
+    """Children of one deployment. Use as `async with LocalCluster(...) as cluster:`."""
+
+    model: str = "tiny"
+    num_prefill: int = 1
+    num_decode: int = 1
+    port: int = 0
+    worker_args: Sequence[str] = ()
+    prefill_cores: Sequence[int] | None = None
+    decode_cores: Sequence[int] | None = None
+    colocated: bool = False  # one `--role both` worker instead of the P/D pair and proxy
+    colocated_cores: Sequence[int] | None = None
+    proxy_args: Sequence[str] = ()
+    startup_timeout: float = 120.0
+    grace_period: float = 10.0
+    children: list[ChildProcess] = field(default_factory=list)
+    address: str = ""  # where clients connect: the proxy, or the colocated worker
+
+    @property
+    def prefill_addresses(self) -> list[str]:
+        return [c.address for c in self.children if c.name.startswith("prefill")]
+
+    @property
+    def decode_addresses(self) -> list[str]:
+        return [c.address for c in self.children if c.name.startswith("decode")]
+
+    async def __aenter__(self) -> LocalCluster:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        worker = [sys.executable, "-m", "kvservice", "serve", "--model", self.model, *self.worker_args]
+        if self.colocated:
+            child = await self._spawn("both", [*worker, "--role", "both", "--port", str(self.port)], self.colocated_cores)
+            self.address = child.address
+        else:
+            spawns = [self._spawn(f"prefill-{i}", [*worker, "--role", "prefill"], self.prefill_cores) for i in range(self.num_prefill)]
+            spawns += [self._spawn(f"decode-{i}", [*worker, "--role", "decode"], self.decode_cores) for i in range(self.num_decode)]
+            await asyncio.gather(*spawns)
+            proxy_cmd = [sys.executable, "-m", "kvservice", "proxy", "--port", str(self.port), *self.proxy_args]
+            if self.prefill_addresses:
+                proxy_cmd += ["--prefill", *self.prefill_addresses]
+            proxy_cmd += ["--decode", *self.decode_addresses]
+            self.address = (await self._spawn("proxy", proxy_cmd, None)).address
+        async with KVServiceClient(self.address) as client:
+            await client.wait_until_serving(self.startup_timeout)
+
+    async def _spawn(self, name: str, cmd: list[str], cores: Sequence[int] | None) -> ChildProcess:
+        env = {**os.environ, **WORKER_ENV}
+        preexec = None
+        if cores is not None:
+            core_set = set(cores)
+            preexec = lambda: os.sched_setaffinity(0, core_set)  # noqa: E731
+        process = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.PIPE, env=env, preexec_fn=preexec, start_new_session=True
+        )
+        child = ChildProcess(name, process)
+        self.children.append(child)
+        assert process.stdout is not None
+        try:
+            line = await asyncio.wait_for(process.stdout.readline(), self.startup_timeout)
+        except TimeoutError:
+            raise LaunchError(f"{name} did not report ready within {self.startup_timeout:.0f} s") from None
+        match = _READY.search(line.decode(errors="replace"))
+        if match is None:
+            code = await process.wait()
+            raise LaunchError(f"{name} exited with code {code} before it was ready ({' '.join(cmd)})")
+        child.address = match.group(1)
+        child.drain = asyncio.create_task(_drain(process.stdout))
+        return child
+
+    async def stop(self) -> None:
+        """SIGTERM everything (the proxy first, so no new work reaches the workers), then wait."""
+        for child in reversed(self.children):
+            if child.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.send_signal(signal.SIGTERM)
+        for child in reversed(self.children):
+            try:
+                await asyncio.wait_for(child.process.wait(), self.grace_period + 10)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.process.pid, signal.SIGKILL)
+                await child.process.wait()
+            if child.drain is not None:
+                child.drain.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await child.drain
+        self.children.clear()
+
+    def child(self, name: str) -> ChildProcess:
+        return next(c for c in self.children if c.name == name)
+
+
+async def _drain(stream: asyncio.StreamReader) -> None:
+    while await stream.readline():
+        pass
+
+
+# ---------------------------------------------------------------- the command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face model directory (default: tiny)")
+    parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers (default: 1)")
+    parser.add_argument("--num-decode", type=int, default=1, help="decode workers (default: 1)")
+    parser.add_argument("--port", type=int, default=8000, help="the proxy's port (default: 8000; 0 lets the OS pick)")
+    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker")
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvservice.server.grpc_server import run_event_loop
+
+    extra = [a for a in args.worker_args if a != "--"]
+    return run_event_loop(_launch(args, extra))
+
+
+async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:
+    cluster = LocalCluster(args.model, args.num_prefill, args.num_decode, args.port, worker_args)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await cluster.start()
+        print(f"kvservice launch: proxy listening on {cluster.address}", flush=True)
+        for child in cluster.children:
+            print(f"  {child.name:<10} {child.address}  (pid {child.process.pid})", flush=True)
+        print("Ctrl-C or SIGTERM stops everything.", flush=True)
+        waits = [asyncio.create_task(c.process.wait()) for c in cluster.children]
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([stopper, *waits], return_when=asyncio.FIRST_COMPLETED)
+        for task in [stopper, *waits]:
+            task.cancel()
+        if stopper not in done:
+            dead = [c.name for c in cluster.children if c.process.returncode is not None]
+            print(f"kvservice launch: {', '.join(dead)} exited; stopping the rest", file=sys.stderr)
+            return 1
+        return 0
+    except LaunchError as e:
+        print(f"kvservice launch: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        await cluster.stop()

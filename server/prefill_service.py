@@ -1,0 +1,87 @@
+"""`Worker.Prefill` on a prefill worker: register the transfer, run the prompt, return the first token.
+
+The transfer is registered (with a staging reservation for all of the prompt's KV)
+before the prompt is queued, so a decode worker's pull that arrives early waits for
+it rather than failing. Whatever ends the prefill early fails the transfer, so a
+waiting pull ends at once and the staging memory comes back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import grpc
+
+from kvservice.async_engine import AsyncLLMEngine
+from kvservice.connector.prefill_connector import TRANSFER_TOKEN
+from kvservice.connector.transfer_registry import TransferRegistry
+from kvservice.sampling_params import SamplingParams
+from kvservice.tokenizer import IncrementalDetokenizer
+from kvservice.server.convert import finish_reason_to_proto, prompt_from_proto, sampling_params_from_proto
+from kvservice.server.errors import RequestFailed, abort_with
+from kvservice.server.stats import engine_stats
+from kvservice.v1 import kvservice_pb2 as pb
+from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
+
+
+class PrefillWorkerService(pb_grpc.WorkerServicer):
+    def __init__(self, engine: AsyncLLMEngine, registry: TransferRegistry, staging_wait_seconds: float = 10.0) -> None:
+        self.engine = engine
+        self.registry = registry
+        self.staging_wait_seconds = staging_wait_seconds
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        inner = request.request
+        registered = False
+        completed = False
+        try:
+            if not inner.request_id:
+                raise ValueError("request.request_id: empty (the proxy assigns one)")
+            if not request.transfer_token:
+                raise ValueError("transfer_token: empty")
+            params = sampling_params_from_proto(inner.sampling_params)
+            token_ids = self.engine.engine.encode(prompt_from_proto(inner))
+            await self.registry.register_when_space(
+                inner.request_id, request.transfer_token, len(token_ids), self.staging_wait_seconds
+            )
+            registered = True
+            # The prefill samples exactly one token; the decode worker applies the real limits.
+            prefill_params = replace(params, max_tokens=1)
+            last = None
+            async for out in self.engine.generate(
+                token_ids, prefill_params, inner.request_id, {TRANSFER_TOKEN: request.transfer_token}
+            ):
+                if out.error is not None:
+                    raise RequestFailed(out.error)
+                last = out
+            assert last is not None and last.token_ids
+            completed = True
+            first = last.token_ids[0]
+            return pb.PrefillResponse(
+                request_id=inner.request_id,
+                first_token_id=first,
+                # Unflushed, as the decode worker's first delta: a split character is held back.
+                text=IncrementalDetokenizer(self.engine.engine.tokenizer).push([first]),
+                finish_reason=finish_reason_to_proto(first_token_finish_reason(first, params, self.engine.engine.eos_token_ids)),
+                num_prompt_tokens=len(token_ids),
+            )
+        except Exception as e:
+            await abort_with(context, e)
+            raise  # abort raises; this line is never reached
+        finally:
+            if registered and not completed:
+                self.registry.fail(inner.request_id, "the prefill did not complete")
+            elif not registered and inner.request_id:
+                self.registry.reject(inner.request_id, "the prefill request was refused")
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        return await self.engine.call(lambda engine: engine_stats(engine, "prefill"))
+
+
+def first_token_finish_reason(token_id: int, params: SamplingParams, eos_token_ids: frozenset[int]) -> str | None:
+    """Whether the first token alone ends the request, under the client's own limits."""
+    if (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids:
+        return "stop"
+    if params.max_tokens == 1:
+        return "length"
+    return None

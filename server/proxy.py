@@ -1,0 +1,185 @@
+"""The proxy (router): the client API in front of prefill and decode workers.
+
+For each request it picks the prefill and the decode worker with the fewest
+outstanding requests, makes a random transfer token, and sends the prefill request
+and the decode request at the same time. The prefill's first token goes to the
+client at once; then the decode's tokens follow (its own first token, the same one,
+is skipped). With no prefill worker reachable, or when the prefill fails, the decode
+worker prefills the prompt itself: degraded, never down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvservice.server.colocated_service import merge_into_complete
+from kvservice.server.errors import NoWorkerAvailable, abort_with
+from kvservice.server.generation import new_request_id
+from kvservice.server.worker_pool import WorkerHandle, WorkerPool
+from kvservice.v1 import kvservice_pb2 as pb
+from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+# Prefill errors that mean "the request itself is bad": the client gets them as they are.
+_CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
+# Errors that suggest the worker is gone: stop routing to it until its health check passes.
+_WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE}
+
+
+class ProxyService(pb_grpc.GenerationServicer):
+    def __init__(self, prefill: WorkerPool, decode: WorkerPool) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.num_requests = 0
+        self.num_degraded = 0
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for response in self._generate(request):
+                yield response
+        except Exception as e:
+            await abort_with(context, e)
+
+    async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
+        result = pb.CompleteResponse()
+        try:
+            async for response in self._generate(request):
+                merge_into_complete(result, response)
+        except Exception as e:
+            await abort_with(context, e)
+        return result
+
+    async def _generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        if request.WhichOneof("prompt") is None:
+            raise ValueError("prompt: set either text or token_ids")
+        inner = pb.GenerateRequest()
+        inner.CopyFrom(request)
+        if not inner.request_id:
+            inner.request_id = new_request_id()
+        self.num_requests += 1
+        decode_worker = self.decode.pick()
+        if decode_worker is None:
+            raise NoWorkerAvailable("no healthy decode worker")
+        prefill_worker = self.prefill.pick()
+        if prefill_worker is None:
+            self.num_degraded += 1
+        with self.decode.using(decode_worker):
+            if prefill_worker is None:
+                async for response in self._decode_only(decode_worker, inner):
+                    yield response
+                return
+            with self.prefill.using(prefill_worker):
+                async for response in self._disaggregated(prefill_worker, decode_worker, inner):
+                    yield response
+
+    async def _decode_only(self, decode_worker: WorkerHandle, inner: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        call = decode_worker.stub.Decode(pb.DecodeRequest(request=inner))
+        try:
+            async for response in call:
+                yield response
+        except grpc.aio.AioRpcError as e:
+            self._note_failure(self.decode, decode_worker, e)
+            raise
+        finally:
+            call.cancel()
+
+    async def _disaggregated(
+        self, prefill_worker: WorkerHandle, decode_worker: WorkerHandle, inner: pb.GenerateRequest
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        token = secrets.token_bytes(32)
+        decode_call = decode_worker.stub.Decode(
+            pb.DecodeRequest(
+                request=inner,
+                kv_transfer_params=pb.KVTransferParams(remote_address=prefill_worker.address, transfer_token=token),
+            )
+        )
+        prefill = asyncio.ensure_future(prefill_worker.stub.Prefill(pb.PrefillRequest(request=inner, transfer_token=token)))
+        try:
+            first: pb.PrefillResponse | None = None
+            try:
+                first = await prefill
+            except grpc.aio.AioRpcError as e:
+                if e.code() in _CLIENT_ERRORS:
+                    raise
+                # The decode worker's pull fails too, and it recomputes: keep streaming from it.
+                self._note_failure(self.prefill, prefill_worker, e)
+                logger.warning("request %s: prefill on %s failed (%s); the decode worker recomputes", inner.request_id, prefill_worker.address, e.code().name)
+            if first is not None:
+                yield pb.GenerateResponse(
+                    request_id=inner.request_id,
+                    token_ids=[first.first_token_id],
+                    text=first.text,
+                    finish_reason=first.finish_reason,
+                    num_prompt_tokens=first.num_prompt_tokens,
+                )
+                if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    return
+            skip_first = first is not None
+            try:
+                async for response in decode_call:
+                    if skip_first and response.token_ids:
+                        skip_first = False
+                        response = _without_first_token(response)
+                        if not response.token_ids and response.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+                            continue
+                    yield response
+            except grpc.aio.AioRpcError as e:
+                self._note_failure(self.decode, decode_worker, e)
+                raise
+        finally:
+            decode_call.cancel()
+            if not prefill.done():
+                prefill.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await prefill
+
+    def _note_failure(self, pool: WorkerPool, worker: WorkerHandle, error: grpc.aio.AioRpcError) -> None:
+        if error.code() in _WORKER_DOWN:
+            pool.mark_unhealthy(worker, f"{error.code().name}: {error.details()}")
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        stats = pb.StatsResponse(role="proxy")
+
+        async def one(worker: WorkerHandle) -> pb.WorkerStats:
+            entry = pb.WorkerStats(address=worker.address, num_outstanding=worker.num_outstanding, is_healthy=worker.is_healthy)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                entry.stats.CopyFrom(await worker.stub.Stats(pb.StatsRequest(), timeout=5))
+            return entry
+
+        entries = await asyncio.gather(*(one(w) for w in self.prefill.workers + self.decode.workers))
+        stats.workers.extend(entries)
+        for entry in entries:
+            s = entry.stats
+            stats.num_blocks_total += s.num_blocks_total
+            stats.num_blocks_free += s.num_blocks_free
+            stats.num_running_requests += s.num_running_requests
+            stats.num_waiting_requests += s.num_waiting_requests
+            stats.num_waiting_for_remote_kv += s.num_waiting_for_remote_kv
+            stats.num_finished_requests += s.num_finished_requests if s.role != "prefill" else 0
+            stats.num_aborted_requests += s.num_aborted_requests
+            _add_transfer_stats(stats.kv_sending, s.kv_sending)
+            _add_transfer_stats(stats.kv_receiving, s.kv_receiving)
+        return stats
+
+
+def _add_transfer_stats(total: pb.KVTransferStats, part: pb.KVTransferStats) -> None:
+    for name in ("num_transfers", "num_failed_transfers", "num_chunks", "num_bytes", "total_seconds",
+                 "staging_bytes_in_use", "staging_bytes_capacity", "num_staged_transfers"):
+        setattr(total, name, getattr(total, name) + getattr(part, name))
+
+
+def _without_first_token(response: pb.GenerateResponse) -> pb.GenerateResponse:
+    """The decode worker's first token is the prefill's, already sent: drop it (its text too)."""
+    rest = pb.GenerateResponse()
+    rest.CopyFrom(response)
+    del rest.token_ids[0]
+    if not rest.token_ids:
+        rest.text = ""
+    return rest

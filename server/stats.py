@@ -1,0 +1,36 @@
+"""A worker's `Stats` snapshot, taken on the engine thread between steps (consistent)."""
+
+from __future__ import annotations
+
+from kvservice.connector.decode_connector import DecodeKVConnector
+from kvservice.connector.prefill_connector import PrefillKVConnector
+from kvservice.engine import LLMEngine
+from kvservice.v1 import kvservice_pb2 as pb
+
+
+def engine_stats(engine: LLMEngine, role: str) -> pb.StatsResponse:
+    scheduler = engine.scheduler
+    stats = pb.StatsResponse(
+        role=role,
+        num_blocks_total=engine.num_blocks,
+        num_blocks_free=engine.num_free_blocks,
+        num_running_requests=len(scheduler.running),
+        num_waiting_requests=len(scheduler.waiting),
+        num_waiting_for_remote_kv=len(scheduler.waiting_for_remote_kv),
+        num_finished_requests=scheduler.num_finished,
+        num_aborted_requests=scheduler.num_aborted,
+    )
+    connector = engine.connector
+    if isinstance(connector, DecodeKVConnector):
+        s = connector.stats
+        stats.kv_receiving.num_transfers = s.num_transfers
+        stats.kv_receiving.num_failed_transfers = s.num_failed_transfers
+        stats.kv_receiving.num_chunks = s.num_chunks
+        stats.kv_receiving.num_bytes = s.num_bytes
+        stats.kv_receiving.total_seconds = s.total_seconds
+    elif isinstance(connector, PrefillKVConnector):
+        pool = connector.registry.pool
+        stats.kv_sending.staging_bytes_in_use = pool.bytes_in_use
+        stats.kv_sending.staging_bytes_capacity = pool.capacity_bytes
+        stats.kv_sending.num_staged_transfers = connector.registry.num_transfers
+    return stats

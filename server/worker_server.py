@@ -1,0 +1,155 @@
+"""`kvservice serve`: one worker process, prefill, decode or colocated (`both`).
+
+Each role is an engine plus the services of that role:
+  prefill: Worker.Prefill + KVTransfer.PullKV, with a staging pool and a transfer registry;
+  decode:  Worker.Decode, with the pull connector;
+  both:    the client API (Generation), no connector - the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+
+import torch
+
+from kvservice.async_engine import AsyncLLMEngine
+from kvservice.config import KV_LOAD_FAILURE_POLICIES, EngineConfig
+from kvservice.connector.base import KVConnectorBase
+from kvservice.connector.decode_connector import DecodeKVConnector
+from kvservice.connector.kv_transfer_service import KVTransferService
+from kvservice.connector.prefill_connector import PrefillKVConnector
+from kvservice.connector.staging import StagingPool
+from kvservice.connector.transfer_registry import TransferRegistry
+from kvservice.engine import LLMEngine
+from kvservice.kv_cache import KVCacheLayout
+from kvservice.model_loader import ModelLoadError, load_model_config, resolve_dtype
+from kvservice.server.colocated_service import ColocatedGenerationService
+from kvservice.server.decode_service import DecodeWorkerService
+from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, configure_logging, run_event_loop
+from kvservice.server.prefill_service import PrefillWorkerService
+from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+ROLES = ("prefill", "decode", "both")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by `serve` and `launch`."""
+    parser.add_argument("--model", default="tiny", help="'tiny' (built in) or a Hugging Face model directory (default: tiny)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default: cpu)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights and KV dtype (default: the checkpoint's)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the cache (default: from --kv-cache-mib)")
+    parser.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache size when --num-blocks is not given (default: 256)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step (default: 64)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default: 2048)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt plus output (default: the model's)")
+    parser.add_argument(
+        "--kv-load-failure-policy", default="recompute", choices=KV_LOAD_FAILURE_POLICIES,
+        help="decode side, when pulling the KV fails: recompute the prompt (default) or fail the request",
+    )
+    parser.add_argument("--kv-lease-seconds", type=float, default=30.0, help="prefill side: staged KV not pulled within this is freed (default: 30)")
+    parser.add_argument("--kv-staging-mib", type=int, default=256, help="prefill side: staging pool bound (default: 256)")
+    parser.add_argument("--kv-transfer-timeout", type=float, default=120.0, help="decode side: deadline of one KV pull, seconds (default: 120)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default: 30)")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--role", required=True, choices=ROLES, help="prefill, decode, or both (colocated, no KV transfer)")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 lets the OS pick (default: 0)")
+    add_engine_arguments(parser)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory_bytes=args.kv_cache_mib << 20,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        kv_load_failure_policy=args.kv_load_failure_policy,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    try:
+        config = engine_config(args)
+        model_config = load_model_config(args.model)
+        layout = KVCacheLayout.for_model(model_config, config.block_size, resolve_dtype(config.dtype, model_config))
+    except (ModelLoadError, ValueError) as e:
+        print(f"kvservice serve: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run_event_loop(serve(args, config, layout))
+    except ModelLoadError as e:
+        print(f"kvservice serve: error: {e}", file=sys.stderr)
+        return 2
+
+
+async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheLayout) -> int:
+    registry: TransferRegistry | None = None
+    connector: KVConnectorBase | None = None
+    if args.role == "prefill":
+        registry = TransferRegistry(StagingPool(args.kv_staging_mib << 20, pin_memory=config.device.startswith("cuda")), layout, args.kv_lease_seconds)
+        connector = PrefillKVConnector(registry)
+    elif args.role == "decode":
+        connector = DecodeKVConnector(layout, transfer_timeout=args.kv_transfer_timeout)
+    engine = await asyncio.to_thread(LLMEngine, args.model, config, connector)
+    async_engine = AsyncLLMEngine(engine)
+    if isinstance(connector, DecodeKVConnector):
+        connector.on_load_done = async_engine.wake
+    async_engine.start()
+
+    if args.role == "both":
+        server = GrpcServer([SERVICE_NAMES["generation"]])
+        pb_grpc.add_GenerationServicer_to_server(ColocatedGenerationService(async_engine), server.server)
+    elif args.role == "decode":
+        server = GrpcServer([SERVICE_NAMES["worker"]])
+        pb_grpc.add_WorkerServicer_to_server(DecodeWorkerService(async_engine), server.server)
+    else:
+        assert registry is not None
+        server = GrpcServer([SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]])
+        pb_grpc.add_WorkerServicer_to_server(PrefillWorkerService(async_engine, registry), server.server)
+        server.server.add_generic_rpc_handlers([KVTransferService(registry).handler()])
+    port = server.bind(args.host, args.port)
+    server.set_serving(True)
+
+    reaper = asyncio.create_task(_expire_leases(registry)) if registry is not None else None
+
+    async def on_stop() -> None:
+        if reaper is not None:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+        await async_engine.stop()
+        if connector is not None:
+            connector.shutdown()
+
+    await server.run_until_signalled(
+        args.grace_period, on_stop, ready_line=f"kvservice serve: role={args.role} listening on {args.host}:{port}"
+    )
+    return 0
+
+
+async def _expire_leases(registry: TransferRegistry | None) -> None:
+    assert registry is not None
+    while True:
+        await asyncio.sleep(1.0)  # lease granularity, not synchronisation
+        expired = registry.expire()
+        if expired:
+            logger.warning("KV lease expired for %d transfer(s): %s", len(expired), expired[:5])
