@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
              "the main job: launch a prefill/decode pair on the tiny model, benchmark it, stop"),
 }
 BENCHMARKS: dict[str, tuple[str, str, str, str]] = {
+    "serve": ("kvservice.client.bench_serve", "add_arguments", "main",
+              "load a server with a vLLM-style workload: TTFT/TTST/TPOT/ITL/E2EL, throughput, KV transfer"),
+    "compare": ("kvservice.client.bench_compare", "add_arguments", "main",
+                "disaggregated (1 prefill core + 1 decode core) vs colocated (2 cores): same workload, side by side"),
     "engine": ("kvservice.bench.engine", "add_arguments", "main",
                "prefill and decode tokens/s at batch 1 and 16, side by side with transformers' generate"),
 }

@@ -1,38 +1,94 @@
-"""`kvservice demo`: the main job. Runs the built-in tiny model and reports what it did."""
+"""`kvservice demo`: the main job. Launches 1 prefill + 1 decode worker and a proxy on the
+tiny model, sends concurrent requests through the proxy, prints their outputs and a
+latency report (TTFT, time to second token, TPOT) with the KV transfer figures, and
+stops everything, leaving no process behind.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 
-from kvservice.llm import LLM
-from kvservice.sampling_params import SamplingParams
+from kvservice.client.bench_metrics import RequestRecord, compute_metrics, format_report
+from kvservice.client.client import KVServiceClient
+from kvservice.server.grpc_server import run_event_loop
+from kvservice.server.launcher import LocalCluster
 
 DEMO_PROMPTS = [
     "Disaggregated serving splits prefill from decode.",
-    "The KV cache travels over gRPC,",
+    "The KV cache travels over gRPC, block by block and layer by layer,",
     "Hello, world!",
-    "Prefill workers run prompts; decode workers generate tokens.",
+    "Prefill workers run prompts; decode workers generate the remaining tokens.",
+    "A proxy pairs a prefill worker with a decode worker for every request.",
+    "Time to first token comes from the prefill; time to second token shows the hand-off.",
 ]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default: 32)")
+    parser.add_argument("--model", default="tiny", help="'tiny' (built in) or a model directory (default: tiny)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per request (default: 32)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of concurrent requests (default: 2)")
 
 
 def main(args: argparse.Namespace) -> int:
+    return run_event_loop(_demo(args))
+
+
+async def _demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    llm = LLM("tiny")
-    load_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    t1 = time.perf_counter()
-    outputs = llm.generate(DEMO_PROMPTS, params)
-    gen_s = time.perf_counter() - t1
-    print(f"kvservice demo: tiny model loaded in {load_s * 1000:.0f} ms; offline generation of {len(outputs)} prompts")
-    for prompt, out in zip(DEMO_PROMPTS, outputs):
-        print(f"  {prompt!r} -> {len(out.token_ids)} tokens ({out.finish_reason}): {out.token_ids[:8]}...")
-    num_tokens = sum(len(o.token_ids) for o in outputs)
-    print(f"generated {num_tokens} tokens in {gen_s * 1000:.0f} ms ({num_tokens / gen_s:.0f} tokens/s)")
-    free, total = llm.engine.num_free_blocks, llm.engine.num_blocks
-    print(f"KV blocks free after the run: {free}/{total}")
-    return 0 if free == total else 1
+    print(f"kvservice demo: launching 1 prefill + 1 decode worker and a proxy on model {args.model!r} ...", flush=True)
+    async with LocalCluster(args.model, num_prefill=1, num_decode=1) as cluster:
+        print(f"  ready in {time.perf_counter() - t0:.1f} s: proxy {cluster.address}, "
+              f"prefill {cluster.prefill_addresses[0]}, decode {cluster.decode_addresses[0]}", flush=True)
+        async with KVServiceClient(cluster.address) as client:
+            records: list[RequestRecord] = []
+            texts: dict[str, str] = {}
+            start = time.perf_counter()
+            for round_index in range(args.rounds):
+                results = await asyncio.gather(
+                    *(_one(client, f"demo-{round_index}-{i}", prompt, args.max_tokens) for i, prompt in enumerate(DEMO_PROMPTS))
+                )
+                for record, text in results:
+                    records.append(record)
+                    texts[record.request_id] = text
+            duration = time.perf_counter() - start
+            stats = await client.stats()
+        print()
+        for record in records[: len(DEMO_PROMPTS)]:
+            prompt = DEMO_PROMPTS[int(record.request_id.rsplit("-", 1)[1])]
+            status = f"{record.output_len} tokens" if record.success else f"FAILED: {record.error}"
+            print(f"  {prompt[:48]!r:<52} -> {status}: {texts[record.request_id][:40]!r}")
+        metrics = compute_metrics(records, duration)
+        kv = stats.kv_receiving
+        extra = [
+            ("KV transfers:", str(kv.num_transfers)),
+            ("KV bytes moved:", f"{kv.num_bytes}"),
+            ("Mean KV transfer time (ms):", f"{1000 * kv.total_seconds / max(kv.num_transfers, 1):.2f}"),
+        ]
+        print()
+        print(format_report(metrics, extra))
+        leaked = [(w.address, w.stats.num_blocks_total - w.stats.num_blocks_free) for w in stats.workers
+                  if w.stats.num_blocks_free != w.stats.num_blocks_total]
+    print(f"kvservice demo: stopped every process ({time.perf_counter() - t0:.1f} s in all)")
+    if metrics.failed or leaked:
+        print(f"kvservice demo: FAILED ({metrics.failed} failed requests; blocks still in use: {leaked})")
+        return 1
+    return 0
+
+
+async def _one(client: KVServiceClient, request_id: str, prompt: str, max_tokens: int) -> tuple[RequestRecord, str]:
+    record = RequestRecord(request_id=request_id, prompt_len=0, start=time.perf_counter())
+    text = ""
+    try:
+        async for chunk in client.generate(prompt, request_id=request_id, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+            now = time.perf_counter()
+            record.token_times.extend([now] * len(chunk.token_ids))
+            record.output_len += len(chunk.token_ids)
+            record.prompt_len = chunk.num_prompt_tokens or record.prompt_len
+            text += chunk.text
+        record.success = True
+    except Exception as e:  # reported per request in the demo's table
+        record.error = str(e)
+    record.end = time.perf_counter()
+    return record, text

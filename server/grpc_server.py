@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvservice.v1 import kvservice_pb2 as pb
@@ -33,7 +34,9 @@ SERVER_OPTIONS = [
 class GrpcServer:
     def __init__(self, service_names: Sequence[str], credentials: grpc.ServerCredentials | None = None) -> None:
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
-        self.health = health.HealthServicer(experimental_non_blocking=True)
+        # The asyncio servicer: a Watch stream ends with its RPC (the thread-pool one
+        # blocks a worker thread forever, and with it the process's exit).
+        self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
         reflection.enable_server_reflection(
@@ -41,7 +44,6 @@ class GrpcServer:
         )
         self.credentials = credentials
         self.port = 0
-        self.set_serving(False)
 
     def bind(self, host: str, port: int) -> int:
         address = f"{host}:{port}"
@@ -53,10 +55,11 @@ class GrpcServer:
             raise OSError(f"cannot listen on {address}")
         return self.port
 
-    def set_serving(self, is_serving: bool) -> None:
+    async def set_serving(self, is_serving: bool) -> None:
+        """Health of the server and of each of its services (call before start: it starts SERVING)."""
         status = health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self.service_names]:
-            self.health.set(name, status)
+            await self.health.set(name, status)
 
     async def run_until_signalled(
         self, grace: float, on_stop: Callable[[], Awaitable[None]] | None = None, ready_line: str | None = None
@@ -73,7 +76,7 @@ class GrpcServer:
             await stop.wait()
         finally:
             logger.info("stopping: draining in-flight requests for up to %.1f s", grace)
-            self.set_serving(False)
+            await self.health.enter_graceful_shutdown()
             await self.server.stop(grace)
             if on_stop is not None:
                 await on_stop()

@@ -36,6 +36,7 @@ async def serve(args: argparse.Namespace) -> int:
     server = GrpcServer([SERVICE_NAMES["generation"]])
     pb_grpc.add_GenerationServicer_to_server(ProxyService(prefill, decode), server.server)
     port = server.bind(args.host, args.port)
+    await server.set_serving(False)  # until a decode worker answers its health check
     monitor = asyncio.create_task(_monitor(server, prefill, decode, args.health_interval))
 
     async def on_stop() -> None:
@@ -56,7 +57,7 @@ async def _monitor(server: GrpcServer, prefill: WorkerPool, decode: WorkerPool, 
         await asyncio.gather(prefill.check_all(interval), decode.check_all(interval))
         is_serving = decode.num_healthy > 0
         if is_serving != was_serving:
-            server.set_serving(is_serving)
+            await server.set_serving(is_serving)
             logger.info("proxy %s (%d/%d prefill, %d/%d decode healthy)", "serving" if is_serving else "not serving",
                         prefill.num_healthy, len(prefill.workers), decode.num_healthy, len(decode.workers))
             was_serving = is_serving

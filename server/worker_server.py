@@ -127,7 +127,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         pb_grpc.add_WorkerServicer_to_server(PrefillWorkerService(async_engine, registry), server.server)
         server.server.add_generic_rpc_handlers([KVTransferService(registry).handler()])
     port = server.bind(args.host, args.port)
-    server.set_serving(True)
+    await server.set_serving(True)
 
     reaper = asyncio.create_task(_expire_leases(registry)) if registry is not None else None
 
