@@ -4,8 +4,9 @@ A layer's cache is one tensor `kv_layer` [2, num_blocks, block_size, num_kv_head
 (K then V). A token at position p of a request lives in slot
 `block_ids[p // block_size] * block_size + p % block_size` of the flattened cache.
 
-A step's flat batch holds the decode tokens first (one query each, batched into a
-single SDPA call over their gathered contexts), then one span per prefill chunk.
+A step's flat batch holds the decode group first: requests with the same small number
+of new tokens Q (one for plain decoding, 1 + K when verifying K draft tokens), batched
+into one attention call over their gathered contexts; then one span per prefill chunk.
 `AttentionMetadata` is built once per step and shared by every layer.
 """
 
@@ -32,9 +33,9 @@ class PrefillSpan:
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
-    num_decode_tokens: int  # the first num_decode_tokens tokens are single-query requests
-    decode_context_slots: torch.Tensor | None  # [D, L] context slots, padded
-    decode_mask: torch.Tensor | None  # [D, 1, 1, L] True where a key may be attended
+    num_decode_tokens: int  # the first B * Q tokens: B requests of Q queries each
+    decode_context_slots: torch.Tensor | None  # [B, L] context slots, padded
+    decode_mask: torch.Tensor | None  # [B, 1, 1, Q, L] True where query q may attend key l
     prefills: list[PrefillSpan]
 
 
@@ -70,20 +71,23 @@ def paged_attention(
 
 
 def _decode_attention(q: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """One query per request. q: [B, Hq, D]; slots: [B, L]; mask: [B, 1, 1, L] -> [B, Hq, D].
+    """B requests of Q queries each. q: [B * Q, Hq, D]; slots: [B, L]; mask: [B, 1, 1, Q, L].
 
-    Plain matmuls rather than SDPA: for a single query the fused kernel's set-up
+    Plain matmuls rather than SDPA: for a handful of queries the fused kernel's set-up
     (and its thread fan-out on a small CPU) costs more than the arithmetic.
     """
-    batch, num_heads, head_dim = q.shape
-    k_ctx = flat[0][slots].permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-    v_ctx = flat[1][slots].transpose(1, 2)  # [B, Hkv, L, D]
+    batch = slots.shape[0]
+    num_queries = q.shape[0] // batch
+    _, num_heads, head_dim = q.shape
+    k_ctx = flat[0][slots].permute(0, 2, 3, 1).unsqueeze(2)  # [B, Hkv, 1, D, L]
+    v_ctx = flat[1][slots].transpose(1, 2).unsqueeze(2)  # [B, Hkv, 1, L, D]
     num_kv_heads = k_ctx.shape[1]
-    # Group the query heads that share a KV head: [B, Hkv, G, D].
-    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(qg, k_ctx) * (head_dim**-0.5)  # [B, Hkv, G, L]
+    # Group the query heads that share a KV head: [B, Hkv, G, Q, D].
+    qg = q.view(batch, num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim).permute(0, 2, 3, 1, 4)
+    scores = torch.matmul(qg, k_ctx) * (head_dim**-0.5)  # [B, Hkv, G, Q, L]
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), v_ctx).view(batch, num_heads, head_dim)
+    out = torch.matmul(scores.softmax(-1), v_ctx)  # [B, Hkv, G, Q, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(batch * num_queries, num_heads, head_dim)
 
 
 def _sdpa(

@@ -109,6 +109,9 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     kv_load_failure_policy: str = "recompute"
+    # Speculative decoding: a draft model (same vocabulary) proposes tokens the target verifies.
+    draft_model: str | None = None
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -127,6 +130,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if (self.draft_model is None) != (self.num_speculative_tokens == 0):
+            raise ValueError("draft_model and num_speculative_tokens > 0 go together: set both or neither")
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(
                 f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvservice.config import EngineConfig, ModelConfig
 from kvservice.connector.base import KVConnectorBase
+from kvservice.draft_proposer import DraftProposer
 from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.kv_cache_manager import KVCacheManager
 from kvservice.model_loader import LoadedModel, load_model, load_model_config
@@ -56,7 +57,18 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.layout = KVCacheLayout.for_model(self.model_config, config.block_size, self.loaded.dtype)
-        num_blocks = config.num_blocks or self.layout.num_blocks_for_memory(config.kv_cache_memory_bytes)
+        self.draft: LoadedModel | None = None
+        bytes_per_block = self.layout.bytes_per_block
+        if config.draft_model is not None:
+            self.draft = load_model(config.draft_model, config.dtype, config.device, self.max_model_len)
+            if self.draft.config.vocab_size != self.model_config.vocab_size:
+                raise ValueError(
+                    f"draft_model: vocabulary of {self.draft.config.vocab_size} tokens, "
+                    f"the target's has {self.model_config.vocab_size}"
+                )
+            draft_layout = KVCacheLayout.for_model(self.draft.config, config.block_size, self.draft.dtype)
+            bytes_per_block += draft_layout.bytes_per_block
+        num_blocks = config.num_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
         self.kv_caches = allocate_kv_caches(self.layout, num_blocks, self.loaded.device)
         self.connector = connector
         if connector is not None:
@@ -67,8 +79,17 @@ class LLMEngine:
             config.max_num_batched_tokens,
             connector,
             config.kv_load_failure_policy,
+            self.model_config.vocab_size,
+            config.num_speculative_tokens,
         )
-        self.runner = ModelRunner(self.loaded.model, self.kv_caches, self.layout, self.loaded.device, config.seed, connector)
+        drafter = None
+        if self.draft is not None:
+            # Same block ids as the target's cache: one allocation serves both.
+            draft_caches = allocate_kv_caches(draft_layout, num_blocks, self.draft.device)
+            drafter = DraftProposer(self.draft.model, draft_caches, config.block_size, config.num_speculative_tokens, self.draft.device)
+        self.runner = ModelRunner(
+            self.loaded.model, self.kv_caches, self.layout, self.loaded.device, config.seed, connector, drafter
+        )
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)

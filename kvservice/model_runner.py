@@ -1,7 +1,9 @@
-"""Runs one scheduled step: builds the flat batch, runs the model inside the connector lifecycle, samples.
+"""Runs one scheduled step: builds the flat batch, runs the target model inside the
+connector lifecycle, samples (or verifies draft tokens), and runs the draft pass.
 
-Tokens are laid out decode-first: requests with one new token share one batched
-attention call; prompt chunks follow, one span each.
+With a draft model the target forward runs with `defer_finalize=True`: the draft pass
+runs while the KV save is still in flight, then `finalize()` waits for the save. The
+connector output is handed back only after that.
 """
 
 from __future__ import annotations
@@ -10,32 +12,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvservice.attention import AttentionMetadata, PrefillSpan
 from kvservice.connector.base import KVConnectorBase, KVConnectorOutput
 from kvservice.connector.lifecycle import (
     finalize_kv_connector,
     kv_connector_no_forward,
     maybe_get_kv_connector_output,
 )
+from kvservice.draft_proposer import DraftProposer
+from kvservice.input_batch import BatchItem, InputBatch, build_batch
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.model import CausalLM
+from kvservice.rejection_sampler import verify_draft_tokens
 from kvservice.sampler import Sampler
 from kvservice.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Per sampling request: the accepted draft tokens, then one token from the target.
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
-
-
-@dataclass(slots=True)
-class InputBatch:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [N] last token of each sampling request
-    sampling: list[ScheduledRequest]
 
 
 class ModelRunner:
@@ -47,6 +43,7 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         connector: KVConnectorBase | None = None,
+        drafter: DraftProposer | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -54,100 +51,80 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(device, seed)
         self.connector = connector
+        self.drafter = drafter
+        # With a draft model: finalize after the draft pass (True) or before it (False,
+        # the eager baseline the benchmark compares with).
+        self.defer_finalize_for_draft = True
 
     def execute_model(self, scheduler_output: SchedulerOutput, defer_finalize: bool = False) -> ModelRunnerOutput:
-        """One step. With `defer_finalize`, the caller must call `finalize()` after its draft pass."""
+        """One step. With `defer_finalize`, the caller must call `finalize()` after its own draft pass."""
         self.sampler.forget(scheduler_output.finished_req_ids)
+        if self.drafter is not None:
+            self.drafter.forget(scheduler_output.finished_req_ids)
         if scheduler_output.is_empty:
             if self.connector is None:
                 return ModelRunnerOutput()
             return ModelRunnerOutput(kv_connector_output=kv_connector_no_forward(self.connector, scheduler_output))
-        batch = self._prepare(scheduler_output.scheduled)
-        with maybe_get_kv_connector_output(self.connector, scheduler_output, defer_finalize) as kv_output:
+        scheduled = scheduler_output.scheduled
+        items = [
+            BatchItem(
+                s.request.all_token_ids[s.request.num_computed_tokens : s.request.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)]
+                + s.spec_token_ids,
+                s.request.num_computed_tokens,
+                s.block_ids,
+            )
+            for s in scheduled
+        ]
+        batch = build_batch(items, self.block_size, self.device)
+        draft_overlaps_save = self.drafter is not None and self.defer_finalize_for_draft
+        with maybe_get_kv_connector_output(self.connector, scheduler_output, defer_finalize or draft_overlaps_save) as kv_output:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, self.connector)
-        sampled: dict[str, int] = {}
-        if batch.sampling:
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
-            request_ids = [s.request.request_id for s in batch.sampling]
-            params = [s.request.sampling_params for s in batch.sampling]
-            sampled = dict(zip(request_ids, self.sampler.sample(logits, request_ids, params)))
+        sampled = self._sample(scheduled, batch, hidden)
+        if self.drafter is not None:
+            self.drafter.propose(scheduled, sampled, self.sampler)
+            if draft_overlaps_save and not defer_finalize:
+                self.finalize()
         return ModelRunnerOutput(sampled, kv_output)
 
     def finalize(self) -> None:
         finalize_kv_connector(self.connector)
 
-    # ------------------------------------------------------------ batch building
-
-    def _prepare(self, scheduled: list[ScheduledRequest]) -> InputBatch:
-        bs = self.block_size
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        ordered = decodes + prefills
-        token_ids: list[int] = []
-        positions: list[int] = []
-        for s in ordered:
-            start = s.request.num_computed_tokens
-            token_ids.extend(s.request.all_token_ids[start : start + s.num_new_tokens])
-            positions.extend(range(start, start + s.num_new_tokens))
-        pos = torch.tensor(positions, dtype=torch.long)
-        # Block table of each token's request, then the slot of each token.
-        token_blocks = torch.tensor(
-            [s.block_ids[p // bs] for s in ordered for p in range(s.request.num_computed_tokens, s.request.num_computed_tokens + s.num_new_tokens)],
-            dtype=torch.long,
-        )
-        slot_mapping = token_blocks * bs + pos % bs
-
-        decode_slots = decode_mask = None
-        if decodes:
-            context_lens = torch.tensor([s.request.num_computed_tokens + 1 for s in decodes])
-            max_len = int(context_lens.max())
-            max_blocks = -(-max_len // bs)
-            table = torch.tensor([(s.block_ids + [0] * max_blocks)[:max_blocks] for s in decodes], dtype=torch.long)
-            decode_slots = (table[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :max_len]  # [D, L]
-            decode_mask = (torch.arange(max_len)[None, :] < context_lens[:, None])[:, None, None, :]
-
-        spans: list[PrefillSpan] = []
-        offset = len(decodes)
-        for s in prefills:
-            n, start = s.num_new_tokens, s.request.num_computed_tokens
-            span = PrefillSpan(offset, offset + n)
-            if start > 0:
-                context = start + n
-                table = torch.tensor(s.block_ids[: -(-context // bs)], dtype=torch.long)
-                span.context_slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:context]
-                # Query i (position start + i) sees keys at positions <= start + i.
-                span.mask = torch.arange(context)[None, :] <= (start + torch.arange(n))[:, None]
-            spans.append(span)
-            offset += n
-
-        sampling_idx: list[int] = []
-        sampling: list[ScheduledRequest] = []
-        end = 0
-        for s in ordered:
-            end += s.num_new_tokens
-            if s.is_sampling:
-                sampling_idx.append(end - 1)
-                sampling.append(s)
-
-        dev = self.device
-        attn = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            num_decode_tokens=len(decodes),
-            decode_context_slots=None if decode_slots is None else decode_slots.to(dev),
-            decode_mask=None if decode_mask is None else decode_mask.to(dev),
-            prefills=[_span_to(span, dev) for span in spans],
-        )
-        return InputBatch(
-            input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
-            positions=pos.to(dev),
-            attn=attn,
-            logits_indices=torch.tensor(sampling_idx, dtype=torch.long, device=dev),
-            sampling=sampling,
-        )
+    def _sample(self, scheduled: list[ScheduledRequest], batch: InputBatch, hidden: torch.Tensor) -> dict[str, list[int]]:
+        """Plain requests sample one token (batched); speculative ones verify their drafts."""
+        sampling = [(i, s) for i, s in enumerate(scheduled) if s.is_sampling]
+        if not sampling:
+            return {}
+        rows: list[int] = []
+        for i, s in sampling:
+            rows.extend(batch.last_indices(i, 1 + len(s.spec_token_ids)))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        sampled: dict[str, list[int]] = {}
+        offsets = _row_offsets([s for _, s in sampling])  # first logits row of each request
+        plain = [(n, s) for n, (_, s) in enumerate(sampling) if not s.spec_token_ids]
+        if plain:
+            plain_rows = logits[torch.tensor([offsets[n] for n, _ in plain], device=self.device)]
+            request_ids = [s.request.request_id for _, s in plain]
+            params = [s.request.sampling_params for _, s in plain]
+            for request_id, token in zip(request_ids, self.sampler.sample(plain_rows, request_ids, params)):
+                sampled[request_id] = [token]
+        for n, (_, s) in enumerate(sampling):
+            if not s.spec_token_ids:
+                continue
+            request = s.request
+            params = request.sampling_params
+            draft_probs = None if self.drafter is None else self.drafter.draft_probs.pop(request.request_id, None)
+            if draft_probs is not None:
+                draft_probs = draft_probs[: len(s.spec_token_ids)]
+            target_logits = logits[offsets[n] : offsets[n] + 1 + len(s.spec_token_ids)]
+            sampled[request.request_id] = verify_draft_tokens(
+                target_logits, s.spec_token_ids, draft_probs, params, self.sampler.generator_for(request.request_id, params)
+            )
+        return sampled
 
 
-def _span_to(span: PrefillSpan, device: torch.device) -> PrefillSpan:
-    if span.context_slots is None or device.type == "cpu":
-        return span
-    assert span.mask is not None
-    return PrefillSpan(span.start, span.end, span.context_slots.to(device), span.mask.to(device))
+def _row_offsets(sampling: list[ScheduledRequest]) -> list[int]:
+    offsets, total = [], 0
+    for s in sampling:
+        offsets.append(total)
+        total += 1 + len(s.spec_token_ids)
+    return offsets

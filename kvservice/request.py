@@ -67,6 +67,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     error: str | None = None
+    # Speculative decoding: tokens the draft proposed for the next step, and how many of
+    # this request's tokens the draft's own KV cache covers.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_computed_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

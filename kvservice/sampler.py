@@ -45,11 +45,11 @@ class Sampler:
                 continue
             row = apply_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
             probs = row.softmax(-1)
-            token = torch.multinomial(probs, 1, generator=self._generator_for(request_id, p))
+            token = torch.multinomial(probs, 1, generator=self.generator_for(request_id, p))
             tokens.append(int(token))
         return tokens
 
-    def _generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator:
+    def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
             return self._default_generator
         gen = self._generators.get(request_id)

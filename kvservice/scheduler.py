@@ -24,13 +24,16 @@ from kvservice.request import Request, RequestStatus
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # including the speculative tokens
     block_ids: list[int]
+    # Draft tokens to verify this step; they follow the request's own tokens.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_sampling(self) -> bool:
-        """Whether this step reaches the end of the request's tokens, so it samples one."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """Whether this step reaches the end of the request's tokens, so it samples."""
+        request = self.request
+        return request.num_computed_tokens + self.num_new_tokens == request.num_tokens + len(self.spec_token_ids)
 
 
 @dataclass(slots=True)
@@ -66,12 +69,17 @@ class Scheduler:
         max_num_batched_tokens: int,
         connector: KVConnectorBase | None = None,
         kv_load_failure_policy: str = "recompute",
+        vocab_size: int | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.connector = connector
         self.kv_load_failure_policy = kv_load_failure_policy
+        self.vocab_size = vocab_size  # bounds a first token that a remote prefill sends
+        # Slots past the scheduled tokens that the draft pass writes (speculative decoding).
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -83,6 +91,10 @@ class Scheduler:
         self.num_finished = 0
         self.num_aborted = 0
         self.num_preemptions = 0
+        # Speculative decoding counters.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verify_steps = 0
 
     # ------------------------------------------------------------ requests in and out
 
@@ -133,17 +145,19 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            block_ids = self.kv.allocate_slots(request, num_new)
+            spec = self._take_spec_tokens(request, budget)
+            num_new += len(spec)
+            block_ids = self.kv.allocate_slots(request, num_new + self._lookahead(request, num_new))
             while block_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is request:
                     break
-                block_ids = self.kv.allocate_slots(request, num_new)
+                block_ids = self.kv.allocate_slots(request, num_new + self._lookahead(request, num_new))
             if block_ids is None:
                 break
-            scheduled.append(ScheduledRequest(request, num_new, block_ids))
+            scheduled.append(ScheduledRequest(request, num_new, block_ids, spec))
             budget -= num_new
             i += 1
 
@@ -155,7 +169,7 @@ class Scheduler:
                 self.waiting.popleft()
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            block_ids = self.kv.allocate_slots(request, num_new)
+            block_ids = self.kv.allocate_slots(request, num_new + self._lookahead(request, num_new))
             if block_ids is None:
                 break
             self.waiting.popleft()
@@ -178,35 +192,62 @@ class Scheduler:
     def update_from_output(
         self,
         scheduler_output: SchedulerOutput,
-        sampled_token_ids: dict[str, int],
+        sampled_token_ids: dict[str, list[int]],
         connector_output: KVConnectorOutput | None = None,
     ) -> list[EngineCoreOutput]:
-        """Advance the scheduled requests by the step's results; returns their new tokens."""
+        """Advance the scheduled requests by the step's results: per sampling request, the
+        accepted draft tokens (if any) then one token from the target. Returns the new tokens."""
         outputs, self._pending_outputs = self._pending_outputs, []
         for item in scheduler_output.scheduled:
             request = item.request
             if request.status is not RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += item.num_new_tokens
-            token_id = sampled_token_ids.get(request.request_id)
-            if token_id is None:
+            token_ids = sampled_token_ids.get(request.request_id)
+            if token_ids is None:
+                request.num_computed_tokens += item.num_new_tokens
                 continue
-            request.append_output_token(token_id)
-            status = request.check_stop()
+            num_spec = len(item.spec_token_ids)
+            # The KV of the accepted draft tokens is valid; that of rejected ones is not.
+            request.num_computed_tokens += item.num_new_tokens - num_spec + len(token_ids) - 1
+            if num_spec:
+                self.num_draft_tokens += num_spec
+                self.num_accepted_tokens += len(token_ids) - 1
+                self.num_verify_steps += 1
+            appended: list[int] = []
+            status = None
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                appended.append(token_id)
+                status = request.check_stop()
+                if status is not None:
+                    break
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
-            outputs.append(EngineCoreOutput(request.request_id, [token_id], status.finish_reason if status else None))
+            outputs.append(EngineCoreOutput(request.request_id, appended, status.finish_reason if status else None))
         if connector_output is not None:
             outputs.extend(self._update_from_connector(connector_output))
         return outputs
 
     # ------------------------------------------------------------ internals
 
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        return min(self.num_lookahead_tokens, max(0, request.max_num_tokens - request.num_computed_tokens - num_new))
+
+    def _take_spec_tokens(self, request: Request, budget: int) -> list[int]:
+        """The draft tokens to verify this step: only in decode, within the token budget,
+        and never more than the request may still emit (the target adds one more)."""
+        spec, request.spec_token_ids = request.spec_token_ids, []
+        if not spec or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        return spec[: max(0, min(request.max_num_tokens - request.num_tokens - 1, budget - 1))]
+
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_draft_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -274,9 +315,10 @@ class Scheduler:
 
     def _resume_after_load(self, request: Request, first_token: int | None) -> list[EngineCoreOutput]:
         """The prompt's KV is in place: continue from the first token the prefill sampled."""
-        if first_token is None:
+        if first_token is None or not 0 <= first_token < (self.vocab_size or 1 << 62):
             return self._handle_load_failure(request)
         request.num_computed_tokens = request.num_prompt_tokens
+        request.num_draft_computed_tokens = 0  # the draft's KV is recomputed here
         request.kv_transfer_params = None
         request.append_output_token(first_token)
         status = request.check_stop()
@@ -292,6 +334,7 @@ class Scheduler:
         if self.kv_load_failure_policy == "recompute":
             # Keep the blocks; the prompt is recomputed over them as a normal prefill.
             request.num_computed_tokens = 0
+            request.num_draft_computed_tokens = 0
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
             return []

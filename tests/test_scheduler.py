@@ -39,7 +39,7 @@ def step(
     sched: Scheduler, token_for: Callable[[Request], int] = fake_token
 ) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
     out = sched.schedule()
-    sampled = {s.request.request_id: token_for(s.request) for s in out.scheduled if s.is_sampling}
+    sampled = {s.request.request_id: [token_for(s.request)] for s in out.scheduled if s.is_sampling}
     return out, sched.update_from_output(out, sampled)
 
 
@@ -211,7 +211,7 @@ def test_abort_between_schedule_and_update_emits_no_token() -> None:
     sched.add_request(make_request("a", 5))
     out = sched.schedule()
     assert sched.abort_request("a")
-    outputs = sched.update_from_output(out, {"a": 123})
+    outputs = sched.update_from_output(out, {"a": [123]})
     assert outputs == [EngineCoreOutput("a", [], "abort")]
     assert sched.kv.num_free_blocks == 8
 

@@ -114,6 +114,7 @@ class TransferRegistry:
                 raise StagingExhausted(f"staging pool full ({self.pool.bytes_in_use}/{self.pool.capacity_bytes} bytes in use)")
             transfer = StagedTransfer(request_id, token, num_tokens, num_blocks, buffer, time.monotonic() + self.lease_seconds)
             self._transfers[request_id] = transfer
+            self._rejected.pop(request_id, None)  # a retry after a refusal
             waiters = self._registration_waiters.pop(request_id, [])
         _wake(waiters)
         return transfer
@@ -224,7 +225,7 @@ class TransferRegistry:
         with self._lock:
             transfer = self._transfers.get(request_id)
             rejected = self._rejected.get(request_id)
-            if rejected is not None:
+            if transfer is None and rejected is not None:
                 raise TransferNotFound(f"the prefill of request_id {request_id!r} was refused: {rejected[0]}")
             if transfer is None:
                 self._registration_waiters.setdefault(request_id, []).append((asyncio.get_running_loop(), event))
@@ -278,7 +279,7 @@ class TransferRegistry:
             if transfer.state is TransferState.STAGING:
                 transfer.state = TransferState.FAILED
                 transfer.error = "the pull ended before the transfer completed"
-            release = self._should_release(transfer, pulled=True)
+            release = self._should_release(transfer)
         if release:
             self._release(transfer)
 
@@ -301,11 +302,12 @@ class TransferRegistry:
 
     # ------------------------------------------------------------ internals
 
-    def _should_release(self, transfer: StagedTransfer, pulled: bool = False) -> bool:
-        """Under the lock: nobody holds the buffer and it is failed, or pulled to the end."""
+    def _should_release(self, transfer: StagedTransfer) -> bool:
+        """Under the lock: nobody holds the buffer, and it failed or its pull has ended
+        (a pull holds a pin while it runs, so pulled and unpinned means finished)."""
         if transfer.is_released or transfer.num_pins > 0:
             return False
-        if transfer.state is TransferState.FAILED or (pulled and transfer.is_pulled):
+        if transfer.state is TransferState.FAILED or transfer.is_pulled:
             transfer.is_released = True
             return True
         return False

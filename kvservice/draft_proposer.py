@@ -1,0 +1,107 @@
+"""The draft pass of speculative decoding: a small model proposes the next K tokens.
+
+The draft has a paged KV cache of its own, addressed by the same block ids as the
+target's (a block id names the same token slots in both caches, so allocation and
+freeing serve both). `num_draft_computed_tokens` says how far a request's draft KV is
+valid; each pass first catches the draft up to the request's tokens (a prompt chunk,
+the accepted tokens, or a whole prompt whose target KV was pulled from a prefill
+worker: the draft KV never travels, it is recomputed here), then proposes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvservice.input_batch import BatchItem, build_batch
+from kvservice.model import CausalLM
+from kvservice.rejection_sampler import target_probs
+from kvservice.request import Request, RequestStatus
+from kvservice.sampler import Sampler
+from kvservice.scheduler import ScheduledRequest
+
+
+@dataclass(slots=True)
+class _Proposal:
+    request: Request
+    block_ids: list[int]
+    item_index: int
+    num_tokens: int  # tokens to propose
+    token_ids: list[int]
+    probs: list[torch.Tensor]
+
+
+class DraftProposer:
+    def __init__(
+        self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int, num_speculative_tokens: int, device: torch.device
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.num_speculative_tokens = num_speculative_tokens
+        self.device = device
+        # The draft's distributions of the proposed tokens, for rejection sampling.
+        self.draft_probs: dict[str, torch.Tensor] = {}
+
+    def forget(self, request_ids: set[str]) -> None:
+        for request_id in request_ids:
+            self.draft_probs.pop(request_id, None)
+
+    def propose(self, scheduled: list[ScheduledRequest], new_token_ids: dict[str, list[int]], sampler: Sampler) -> None:
+        """After the target's step: catch the draft up and set each request's spec_token_ids."""
+        items: list[BatchItem] = []
+        proposals: list[_Proposal] = []
+        for s in scheduled:
+            request = s.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            new = new_token_ids.get(request.request_id, [])
+            tokens = request.all_token_ids + new  # the scheduler appends them after this pass
+            computed = request.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids) + max(len(new) - 1, 0)
+            start = min(request.num_draft_computed_tokens, computed)
+            end = len(tokens) if new else computed
+            if end <= start:
+                continue
+            items.append(BatchItem(tokens[start:end], start, s.block_ids))
+            request.num_draft_computed_tokens = end
+            # Never propose past what the request may emit (the target adds one more).
+            num_tokens = min(self.num_speculative_tokens, request.max_num_tokens - len(tokens) - 1) if new else 0
+            if num_tokens > 0:
+                proposals.append(_Proposal(request, s.block_ids, len(items) - 1, num_tokens, [], []))
+        if not items:
+            return
+        batch = build_batch(items, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        if not proposals:
+            return
+        last = torch.tensor([batch.ends[p.item_index] - 1 for p in proposals], device=self.device)
+        self._sample(proposals, self.model.compute_logits(hidden[last]), sampler)
+        for step in range(1, self.num_speculative_tokens):
+            active = [p for p in proposals if p.num_tokens > step]
+            if not active:
+                break
+            step_items = [
+                BatchItem([p.token_ids[-1]], p.request.num_draft_computed_tokens, p.block_ids)
+                for p in active
+            ]
+            batch = build_batch(step_items, self.block_size, self.device)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+            for p in active:
+                p.request.num_draft_computed_tokens += 1
+            self._sample(active, self.model.compute_logits(hidden), sampler)
+        for p in proposals:
+            p.request.spec_token_ids = p.token_ids
+            if p.probs:
+                self.draft_probs[p.request.request_id] = torch.stack(p.probs)
+
+    def _sample(self, proposals: list[_Proposal], logits: torch.Tensor, sampler: Sampler) -> None:
+        for p, row in zip(proposals, logits):
+            params = p.request.sampling_params
+            if params.is_greedy:
+                p.token_ids.append(int(row.argmax()))
+                continue
+            probs = target_probs(row[None], params)[0]
+            token = torch.multinomial(probs, 1, generator=sampler.generator_for(p.request.request_id, params))
+            p.token_ids.append(int(token))
+            p.probs.append(probs)

@@ -1,0 +1,95 @@
+"""Turning a step's requests into one flat batch of tokens plus its attention metadata.
+
+Shared by the target model and the draft model: each item is the tokens a request
+runs this step, the position of the first one, and the request's block table.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from kvservice.attention import AttentionMetadata, PrefillSpan
+
+# Requests with at most this many new tokens may join the batched decode group.
+_MAX_DECODE_GROUP_QUERIES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class BatchItem:
+    token_ids: list[int]
+    start: int  # position of token_ids[0]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class InputBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn: AttentionMetadata
+    ends: list[int]  # ends[i]: one past item i's last token in the flat batch
+
+    def last_indices(self, item_index: int, count: int) -> range:
+        """Flat indices of the last `count` tokens of item `item_index`."""
+        end = self.ends[item_index]
+        return range(end - count, end)
+
+
+def build_batch(items: list[BatchItem], block_size: int, device: torch.device) -> InputBatch:
+    """Lay the items out decode group first (the most common small query count), then spans."""
+    bs = block_size
+    counts = Counter(len(item.token_ids) for item in items if len(item.token_ids) <= _MAX_DECODE_GROUP_QUERIES)
+    group_q = counts.most_common(1)[0][0] if counts else 0
+    group = [i for i, item in enumerate(items) if len(item.token_ids) == group_q]
+    rest = [i for i, item in enumerate(items) if len(item.token_ids) != group_q]
+    order = group + rest
+
+    token_ids: list[int] = []
+    positions: list[int] = []
+    token_blocks: list[int] = []
+    flat_start: dict[int, int] = {}
+    for i in order:
+        item = items[i]
+        flat_start[i] = len(token_ids)
+        token_ids.extend(item.token_ids)
+        span = range(item.start, item.start + len(item.token_ids))
+        positions.extend(span)
+        token_blocks.extend(item.block_ids[p // bs] for p in span)
+    pos = torch.tensor(positions, dtype=torch.long)
+    slot_mapping = torch.tensor(token_blocks, dtype=torch.long) * bs + pos % bs
+
+    decode_slots = decode_mask = None
+    if group:
+        starts = torch.tensor([items[i].start for i in group])
+        max_len = int(starts.max()) + group_q
+        max_blocks = -(-max_len // bs)
+        table = torch.tensor([(items[i].block_ids + [0] * max_blocks)[:max_blocks] for i in group], dtype=torch.long)
+        decode_slots = (table[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :max_len]  # [B, L]
+        # Query q of request b sits at position start_b + q and sees keys at positions <= it.
+        query_pos = starts[:, None] + torch.arange(group_q)[None, :]  # [B, Q]
+        decode_mask = (torch.arange(max_len)[None, None, :] <= query_pos[:, :, None])[:, None, None]  # [B,1,1,Q,L]
+
+    spans: list[PrefillSpan] = []
+    for i in rest:
+        item = items[i]
+        n, start = len(item.token_ids), item.start
+        span = PrefillSpan(flat_start[i], flat_start[i] + n)
+        if start > 0:
+            context = start + n
+            table = torch.tensor(item.block_ids[: -(-context // bs)], dtype=torch.long)
+            span.context_slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:context].to(device)
+            # Query j (position start + j) sees keys at positions <= start + j.
+            span.mask = (torch.arange(context)[None, :] <= (start + torch.arange(n))[:, None]).to(device)
+        spans.append(span)
+
+    ends = [flat_start[i] + len(items[i].token_ids) for i in range(len(items))]
+    attn = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        num_decode_tokens=len(group) * group_q,
+        decode_context_slots=None if decode_slots is None else decode_slots.to(device),
+        decode_mask=None if decode_mask is None else decode_mask.to(device),
+        prefills=spans,
+    )
+    return InputBatch(torch.tensor(token_ids, dtype=torch.long, device=device), pos.to(device), attn, ends)

@@ -1,0 +1,407 @@
+"""The per-step connector lifecycle: exact worker-side call order, and what reaches the scheduler.
+
+A `RecordingConnector` logs every worker-side call with its arguments; the tests drive the
+real engine, runner and context managers on the built-in `tiny` model (4 layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import pytest
+import torch
+
+from kvservice.config import EngineConfig
+from kvservice.connector.base import KVConnectorBase, KVConnectorOutput, KVConnectorWorkerMeta
+from kvservice.connector.lifecycle import (
+    finalize_kv_connector,
+    kv_connector_no_forward,
+    maybe_get_kv_connector_output,
+)
+from kvservice.engine import LLMEngine, RequestOutput
+from kvservice.kv_cache import KVCacheLayout
+from kvservice.request import Request, RequestStatus
+from kvservice.sampling_params import SamplingParams
+from kvservice.scheduler import SchedulerOutput
+
+NUM_LAYERS = 4  # the tiny model's
+CONFIG = EngineConfig(block_size=8, num_blocks=32, max_model_len=128)
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+PROMPT = [10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]  # 2 blocks of 8
+REMOTE = "remote"  # kv_transfer_params key: the prompt's KV comes from elsewhere
+
+Call = tuple[Any, ...]
+
+
+class RecordingConnector(KVConnectorBase):
+    """Records every worker-side call in order; reports what the test tells it to."""
+
+    def __init__(self, delay_free: bool = False) -> None:
+        super().__init__()
+        self.calls: list[Call] = []
+        self.delay_free = delay_free
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_metas = 0
+        # What the next get_finished / load-error / worker-meta calls report.
+        self.report_sending: set[str] = set()
+        self.report_recving: set[str] = set()
+        self.report_load_errors: set[int] = set()
+        self.report_first_tokens: dict[str, int] = {}
+        self.stats = {"num_steps": 0}
+        # Scheduler side.
+        self.finished_requests: list[tuple[str, RequestStatus]] = []
+        self.connector_outputs: list[KVConnectorOutput] = []
+        # Per layer: whether that layer's cache held any KV when the hook ran.
+        self.layer_had_kv_at_load: dict[int, bool] = {}
+        self.layer_had_kv_at_save: dict[int, bool] = {}
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], layout: KVCacheLayout) -> None:
+        self.kv_caches = kv_caches
+
+    # scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if request.kv_transfer_params and REMOTE in request.kv_transfer_params:
+            return request.num_prompt_tokens, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        self.num_metas += 1
+        return ("meta", self.num_metas)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.finished_requests.append((request.request_id, request.status))
+        return self.delay_free, None
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.connector_outputs.append(output)
+
+    # worker side
+
+    def bind_connector_metadata(self, metadata: Any) -> None:
+        self.calls.append(("bind_connector_metadata", metadata))
+        super().bind_connector_metadata(metadata)
+
+    def start_load_kv(self, forward_context: Any) -> None:
+        self.calls.append(("start_load_kv",))
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        self.calls.append(("wait_for_layer_load", layer))
+        self.layer_had_kv_at_load[layer] = bool(self.kv_caches[layer].any())
+
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        # The metadata of this step is bound while the forward runs.
+        self.calls.append(("save_kv_layer", layer, self.connector_metadata))
+        assert kv_layer is self.kv_caches[layer]
+        self.layer_had_kv_at_save[layer] = bool(kv_layer.any())
+
+    def wait_for_save(self) -> None:
+        self.calls.append(("wait_for_save",))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        self.calls.append(("get_finished", frozenset(finished_req_ids)))
+        sending, self.report_sending = self.report_sending, set()
+        recving, self.report_recving = self.report_recving, set()
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self.calls.append(("get_block_ids_with_load_errors",))
+        errors, self.report_load_errors = self.report_load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        self.calls.append(("get_kv_connector_stats",))
+        self.stats["num_steps"] += 1
+        return dict(self.stats)
+
+    def get_kv_connector_kv_cache_events(self) -> list[Any]:
+        self.calls.append(("get_kv_connector_kv_cache_events",))
+        return []
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMeta | None:
+        self.calls.append(("build_connector_worker_meta",))
+        if not self.report_first_tokens:
+            return None
+        meta = KVConnectorWorkerMeta(first_token_ids=self.report_first_tokens)
+        self.report_first_tokens = {}
+        return meta
+
+    def clear_connector_metadata(self) -> None:
+        self.calls.append(("clear_connector_metadata",))
+        super().clear_connector_metadata()
+
+    def take_calls(self) -> list[Call]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def forward_calls(meta: Any) -> list[Call]:
+    calls: list[Call] = []
+    for layer in range(NUM_LAYERS):
+        calls += [("wait_for_layer_load", layer), ("save_kv_layer", layer, meta)]
+    return calls
+
+
+def after_forward(finished_req_ids: Collection[str] = ()) -> list[Call]:
+    return [
+        ("get_finished", frozenset(finished_req_ids)),
+        ("get_block_ids_with_load_errors",),
+        ("get_kv_connector_stats",),
+        ("get_kv_connector_kv_cache_events",),
+        ("build_connector_worker_meta",),
+    ]
+
+
+def normal_step(meta: Any, finished_req_ids: Collection[str] = ()) -> list[Call]:
+    return [
+        ("bind_connector_metadata", meta),
+        ("start_load_kv",),
+        *forward_calls(meta),
+        ("wait_for_save",),
+        *after_forward(finished_req_ids),
+        ("clear_connector_metadata",),
+    ]
+
+
+def no_forward_step(meta: Any, finished_req_ids: Collection[str] = ()) -> list[Call]:
+    return [("bind_connector_metadata", meta), ("start_load_kv",), *after_forward(finished_req_ids), ("clear_connector_metadata",)]
+
+
+def make_engine(connector: KVConnectorBase | None = None, config: EngineConfig = CONFIG) -> LLMEngine:
+    return LLMEngine("tiny", config, connector)
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 100) -> dict[str, RequestOutput]:
+    finished: dict[str, RequestOutput] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return finished
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    raise AssertionError(f"not finished after {max_steps} steps")
+
+
+@pytest.fixture(scope="module")
+def reference_tokens() -> list[int]:
+    """Greedy tokens of PROMPT from an engine with no connector at all."""
+    engine = make_engine()
+    engine.add_request(PROMPT, GREEDY, "ref")
+    return run_to_completion(engine)["ref"].token_ids
+
+
+# ---------------------------------------------------------------- call order
+
+
+def test_normal_step_calls_the_connector_in_lifecycle_order() -> None:
+    connector = RecordingConnector()
+    engine = make_engine(connector)
+    engine.add_request(PROMPT, GREEDY, "r")
+    outputs = engine.step()
+    assert [o.new_token_ids for o in outputs if o.request_id == "r"] != [[]]
+    assert connector.take_calls() == normal_step(("meta", 1))
+    # The next (decode) step has the same shape, with the next step's metadata.
+    engine.step()
+    assert connector.take_calls() == normal_step(("meta", 2))
+
+
+def test_layer_hooks_wrap_each_layers_attention() -> None:
+    """wait_for_layer_load(i) runs before layer i writes its KV; save_kv_layer(i) after."""
+    connector = RecordingConnector()
+    engine = make_engine(connector)
+    engine.add_request(PROMPT, GREEDY, "r")
+    engine.step()  # the cache starts all zeros: only this step's forward writes it
+    assert connector.layer_had_kv_at_load == {layer: False for layer in range(NUM_LAYERS)}
+    assert connector.layer_had_kv_at_save == {layer: True for layer in range(NUM_LAYERS)}
+
+
+def test_no_forward_step_still_drives_the_connector_without_waiting_for_saves() -> None:
+    """Only a request waiting for remote KV: no forward, no wait_for_save, transfers still polled."""
+    connector = RecordingConnector()
+    engine = make_engine(connector)
+    engine.add_request(PROMPT, GREEDY, "r", {REMOTE: True})
+    assert engine.step() == []
+    assert engine.scheduler.requests["r"].status is RequestStatus.WAITING_FOR_REMOTE_KV
+    assert connector.take_calls() == no_forward_step(("meta", 1))
+    # Still waiting: every step keeps polling the connector (the decode worker does not stall).
+    engine.step()
+    assert connector.take_calls() == no_forward_step(("meta", 2))
+
+
+def test_kv_connector_no_forward_directly() -> None:
+    connector = RecordingConnector()
+    connector.report_sending = {"done-sending"}
+    connector.report_recving = {"done-recving"}
+    connector.report_load_errors = {3}
+    connector.report_first_tokens = {"done-recving": 7}
+    scheduler_output = SchedulerOutput([], 0, finished_req_ids={"old"}, kv_connector_metadata="meta")
+    output = kv_connector_no_forward(connector, scheduler_output)
+    assert connector.take_calls() == no_forward_step("meta", {"old"})
+    assert output.finished_sending == {"done-sending"}
+    assert output.finished_recving == {"done-recving"}
+    assert output.invalid_block_ids == {3}
+    assert output.kv_connector_stats == {"num_steps": 1}
+    assert output.kv_connector_worker_meta == KVConnectorWorkerMeta(first_token_ids={"done-recving": 7})
+
+
+def test_deferred_step_leaves_save_and_clear_to_finalize(reference_tokens: list[int]) -> None:
+    connector = RecordingConnector()
+    engine = make_engine(connector)
+    engine.add_request(PROMPT, GREEDY, "r")
+    scheduler_output = engine.scheduler.schedule()
+    runner_output = engine.runner.execute_model(scheduler_output, defer_finalize=True)
+    meta = ("meta", 1)
+    assert connector.take_calls() == [
+        ("bind_connector_metadata", meta),
+        ("start_load_kv",),
+        *forward_calls(meta),
+        *after_forward(),
+    ]
+    # The metadata stays bound for the caller's draft pass.
+    assert connector.connector_metadata == meta
+    engine.runner.finalize()
+    assert connector.take_calls() == [("wait_for_save",), ("clear_connector_metadata",)]
+    # The deferred step sampled what an eager one does.
+    assert runner_output.sampled_token_ids == {"r": [reference_tokens[0]]}
+    assert runner_output.kv_connector_output is not None
+    outputs = engine.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids, runner_output.kv_connector_output)
+    assert [o.new_token_ids for o in outputs] == [[reference_tokens[0]]]
+
+
+def test_deferred_step_without_a_connector_runs_and_finalize_is_a_no_op(reference_tokens: list[int]) -> None:
+    finalize_kv_connector(None)
+    engine = make_engine()
+    engine.add_request(PROMPT, GREEDY, "r")
+    runner_output = engine.runner.execute_model(engine.scheduler.schedule(), defer_finalize=True)
+    engine.runner.finalize()
+    assert runner_output.kv_connector_output is None
+    assert runner_output.sampled_token_ids == {"r": [reference_tokens[0]]}
+
+
+def test_no_connector_yields_none_and_the_engine_runs(reference_tokens: list[int]) -> None:
+    scheduler_output = SchedulerOutput([], 0)
+    with maybe_get_kv_connector_output(None, scheduler_output) as output:
+        assert output is None
+    engine = make_engine()
+    engine.add_request(PROMPT, GREEDY, "r")
+    scheduler_output = engine.scheduler.schedule()
+    assert scheduler_output.kv_connector_metadata is None
+    runner_output = engine.runner.execute_model(scheduler_output)
+    assert runner_output.kv_connector_output is None
+    assert runner_output.sampled_token_ids == {"r": [reference_tokens[0]]}
+
+
+def test_a_pass_through_connector_does_not_change_the_output(reference_tokens: list[int]) -> None:
+    connector = RecordingConnector()
+    engine = make_engine(connector)
+    engine.add_request(PROMPT, GREEDY, "r")
+    assert run_to_completion(engine)["r"].token_ids == reference_tokens
+    assert len(reference_tokens) == GREEDY.max_tokens
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+# ---------------------------------------------------------------- what reaches the scheduler
+
+
+def test_get_finished_receives_the_requests_finished_in_the_previous_step() -> None:
+    connector = RecordingConnector()
+    engine = make_engine(connector)
+    engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), "short")
+    engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), "long")
+
+    def finished_ids_of_step() -> frozenset[str]:
+        (call,) = [c for c in connector.take_calls() if c[0] == "get_finished"]
+        return call[1]
+
+    outputs = {o.request_id: o for o in engine.step()}  # both prefill; "short" finishes
+    assert outputs["short"].finished and not outputs["long"].finished
+    assert finished_ids_of_step() == frozenset()
+    engine.step()  # "long" decodes
+    assert finished_ids_of_step() == {"short"}
+    outputs = {o.request_id: o for o in engine.step()}  # "long" finishes
+    assert outputs["long"].finished
+    assert finished_ids_of_step() == frozenset()
+    assert engine.has_unfinished_requests()  # the connector must still hear of "long"
+    engine.step()
+    assert finished_ids_of_step() == {"long"}
+    assert not engine.has_unfinished_requests()
+
+
+def test_delay_free_keeps_blocks_until_finished_sending_reports_the_request() -> None:
+    connector = RecordingConnector(delay_free=True)
+    engine = make_engine(connector)
+    engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), "r")
+    (output,) = engine.step()
+    assert output.finished
+    assert connector.finished_requests == [("r", RequestStatus.FINISHED_LENGTH)]
+    held = engine.scheduler.kv.get_block_ids("r")
+    assert len(held) == 2 and engine.num_free_blocks == engine.num_blocks - 2
+    # Steps pass and the connector reports nothing: the blocks stay allocated.
+    for _ in range(3):
+        engine.step()
+        assert engine.num_free_blocks == engine.num_blocks - 2
+        assert engine.has_unfinished_requests()
+    connector.report_sending = {"r"}
+    engine.step()
+    assert connector.connector_outputs[-1].finished_sending == {"r"}
+    assert engine.num_free_blocks == engine.num_blocks
+    assert engine.scheduler.kv.get_block_ids("r") == []
+    assert not engine.has_unfinished_requests()
+
+
+def test_finished_recving_resumes_the_request_with_the_remote_first_token() -> None:
+    connector = RecordingConnector()
+    engine = make_engine(connector)
+    engine.add_request(PROMPT, GREEDY, "r", {REMOTE: True})
+    engine.step()
+    assert engine.scheduler.requests["r"].status is RequestStatus.WAITING_FOR_REMOTE_KV
+    connector.report_recving = {"r"}
+    connector.report_first_tokens = {"r": 123}
+    (output,) = engine.step()
+    assert (output.request_id, output.new_token_ids) == ("r", [123])
+    request = engine.scheduler.requests["r"]
+    assert request.status is RequestStatus.RUNNING
+    assert request.num_computed_tokens == len(PROMPT)  # the prompt is not recomputed
+    # The next step decodes from the remote token: one token through the model.
+    connector.take_calls()
+    engine.step()
+    assert ("save_kv_layer", 0, ("meta", 3)) in connector.take_calls()
+    assert run_to_completion(engine)["r"].token_ids[0] == 123
+
+
+def test_load_errors_reported_by_the_lifecycle_make_the_scheduler_recompute(reference_tokens: list[int]) -> None:
+    connector = RecordingConnector()
+    engine = make_engine(connector)
+    engine.add_request(PROMPT, GREEDY, "r", {REMOTE: True})
+    engine.step()
+    connector.report_recving = {"r"}
+    connector.report_load_errors = set(engine.scheduler.kv.get_block_ids("r"))
+    assert engine.step() == []  # the load failed: no remote first token
+    # Default policy recompute: the prompt runs on this engine and the output is still right.
+    assert run_to_completion(engine)["r"].token_ids == reference_tokens
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_load_errors_with_policy_fail_end_the_request_with_an_error() -> None:
+    connector = RecordingConnector()
+    engine = make_engine(connector, EngineConfig(block_size=8, num_blocks=32, max_model_len=128, kv_load_failure_policy="fail"))
+    engine.add_request(PROMPT, GREEDY, "r", {REMOTE: True})
+    engine.step()
+    connector.report_recving = {"r"}
+    connector.report_load_errors = set(engine.scheduler.kv.get_block_ids("r"))
+    (output,) = engine.step()
+    assert output.finish_reason == "error" and output.token_ids == []
+    assert output.error is not None and "kv_load_failure_policy=fail" in output.error
+    run_to_completion(engine)
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_stats_reach_the_scheduler_every_step() -> None:
+    connector = RecordingConnector()
+    engine = make_engine(connector)
+    engine.add_request(PROMPT, GREEDY, "r")
+    engine.step()
+    engine.step()
+    assert [o.kv_connector_stats for o in connector.connector_outputs] == [{"num_steps": 1}, {"num_steps": 2}]
