@@ -34,6 +34,10 @@ BENCHMARKS: dict[str, tuple[str, str, str, str]] = {
               "load a server with a vLLM-style workload: TTFT/TTST/TPOT/ITL/E2EL, throughput, KV transfer"),
     "compare": ("kvservice.client.bench_compare", "add_arguments", "main",
                 "disaggregated (1 prefill core + 1 decode core) vs colocated (2 cores): same workload, side by side"),
+    "transfer": ("kvservice.bench.transfer", "add_arguments", "main",
+                 "KV transfer over gRPC PullKV vs raw TCP, tensor to tensor across processes"),
+    "spec": ("kvservice.bench.spec", "add_arguments", "main",
+             "speculative decoding: deferred vs eager finalize of a prefill step; decode tokens/s with good and poor drafts"),
     "engine": ("kvservice.bench.engine", "add_arguments", "main",
                "prefill and decode tokens/s at batch 1 and 16, side by side with transformers' generate"),
 }

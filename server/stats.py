@@ -19,7 +19,16 @@ def engine_stats(engine: LLMEngine, role: str) -> pb.StatsResponse:
         num_waiting_for_remote_kv=len(scheduler.waiting_for_remote_kv),
         num_finished_requests=scheduler.num_finished,
         num_aborted_requests=scheduler.num_aborted,
+        num_preemptions=scheduler.num_preemptions,
     )
+    spec = stats.spec_decode
+    spec.num_draft_tokens = scheduler.num_draft_tokens
+    spec.num_accepted_tokens = scheduler.num_accepted_tokens
+    spec.num_verify_steps = scheduler.num_verify_steps
+    if scheduler.num_draft_tokens:
+        spec.acceptance_rate = scheduler.num_accepted_tokens / scheduler.num_draft_tokens
+    if scheduler.num_verify_steps:
+        spec.mean_accepted_length = (scheduler.num_accepted_tokens + scheduler.num_verify_steps) / scheduler.num_verify_steps
     connector = engine.connector
     if isinstance(connector, DecodeKVConnector):
         s = connector.stats

@@ -34,7 +34,7 @@ class TransferResult:
     receiver_peak_rss_bytes: int
 
 
-def _peak_rss_bytes() -> int:
+def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
@@ -65,7 +65,7 @@ def _receiver(
             seconds = time.perf_counter() - start
         if received != num_bytes:
             raise ConnectionError(f"received {received} of {num_bytes} bytes")
-        conn.send(("done", seconds, zlib.crc32(view), _peak_rss_bytes()))
+        conn.send(("done", seconds, zlib.crc32(view), peak_rss_bytes()))
     except BaseException as exc:
         conn.send(("error", f"receiver: {exc!r}"))
         raise
@@ -91,7 +91,7 @@ def _sender(
                 sock.sendall(view[offset : offset + chunk_bytes])
             sock.shutdown(socket.SHUT_WR)
             sock.recv(1)  # wait for the receiver to close: every byte was read
-        conn.send(("done", checksum, _peak_rss_bytes()))
+        conn.send(("done", checksum, peak_rss_bytes()))
     except BaseException as exc:
         conn.send(("error", f"sender: {exc!r}"))
         raise

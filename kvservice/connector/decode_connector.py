@@ -24,6 +24,7 @@ import grpc
 import torch
 
 from kvservice.connector.base import KVConnectorBase, KVConnectorWorkerMeta
+from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
 from kvservice.connector.kv_puller import LoadResult, LoadSpec, PullStats, pull_kv
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.request import Request, RequestStatus
@@ -174,7 +175,7 @@ class DecodeKVConnector(KVConnectorBase):
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            options = [("grpc.max_receive_message_length", 64 << 20)]
+            options = GRPC_OPTIONS
             if self.channel_credentials is not None:
                 channel = grpc.aio.secure_channel(address, self.channel_credentials, options=options)
             else:

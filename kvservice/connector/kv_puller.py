@@ -13,12 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 import torch
 
 from kvservice.connector import wire
 from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.v1 import kvservice_pb2 as pb
+
+_MIN_RUN_BYTES = 32 << 10  # average bytes per run (K and V) below which index_copy_ is as fast
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +83,8 @@ async def pull_kv(
     num_blocks = len(spec.block_ids)
     device = kv_caches[0].device if kv_caches else torch.device("cpu")
     block_ids = torch.tensor(spec.block_ids, dtype=torch.long, device=device)
+    run_ends = _run_ends(spec.block_ids)
+    host_caches = _host_views(kv_caches, spec.block_ids, run_ends, layout)
     # written[layer][block]: each block of each layer exactly once.
     written = [bytearray(num_blocks) for _ in range(layout.num_layers)]
     start = time.perf_counter()
@@ -99,7 +104,10 @@ async def pull_kv(
             if any(written[header.layer][first : first + n]):
                 raise wire.KVChunkError(f"header.first_block: blocks [{first}, {first + n}) of layer {header.layer} sent twice")
             src = wire.payload_view(decoded.payload, layout, n)  # [2, n, block_size, kv_heads, head_dim]
-            kv_caches[header.layer].index_copy_(1, block_ids[first : first + n], src.to(device, non_blocking=True))
+            if host_caches is not None:
+                _copy_runs(host_caches[header.layer], src, spec.block_ids, run_ends, first, n)
+            else:
+                kv_caches[header.layer].index_copy_(1, block_ids[first : first + n], src.to(device, non_blocking=True))
             written[header.layer][first : first + n] = b"\x01" * n
             num_chunks += 1
             num_bytes += len(decoded.payload)
@@ -123,6 +131,51 @@ async def pull_kv(
         return LoadResult(spec.request_id, None, error)
     stats.transfer_seconds.append(elapsed)
     return LoadResult(spec.request_id, first_token_id)
+
+
+def _host_views(
+    kv_caches: list[torch.Tensor], block_ids: list[int], run_ends: list[int], layout: KVCacheLayout
+) -> list[np.ndarray] | None:
+    """[2, num_blocks, B] uint8 views of the caches when chunks should land run by run, else None.
+
+    Each run of consecutive destination blocks as one numpy slice copy is 4-13x faster than
+    index_copy_ for 64 KiB blocks. Not for device caches, nor for runs too short to beat
+    index_copy_'s fixed cost, nor for out-of-range block ids or a cache of another dtype:
+    index_copy_ raises on those as it always did, where byte copies would clip, wrap or
+    reinterpret.
+    """
+    if not kv_caches or not all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == layout.dtype for t in kv_caches):
+        return None
+    if block_ids and not (0 <= min(block_ids) and max(block_ids) < min(t.shape[1] for t in kv_caches)):
+        return None
+    if len(block_ids) * layout.bytes_per_block_per_layer < _MIN_RUN_BYTES * len(set(run_ends)):
+        return None
+    return [t.view(torch.uint8).numpy().reshape(2, t.shape[1], -1) for t in kv_caches]
+
+
+def _run_ends(block_ids: list[int]) -> list[int]:
+    """run_ends[i]: where the run of consecutive destination ids containing block i ends."""
+    ends = [0] * len(block_ids)
+    end = len(block_ids)
+    for i in range(len(block_ids) - 1, -1, -1):
+        if i + 1 < len(block_ids) and block_ids[i + 1] != block_ids[i] + 1:
+            end = i + 1
+        ends[i] = end
+    return ends
+
+
+def _copy_runs(dst: np.ndarray, src: torch.Tensor, block_ids: list[int], run_ends: list[int], first: int, n: int) -> None:
+    """Blocks [first, first + n) of the transfer into their local blocks, one copy per run.
+
+    dst: [2, num_local_blocks, B] uint8; src: [2, n, block_size, kv_heads, head_dim].
+    """
+    src_bytes = src.view(torch.uint8).numpy().reshape(2, n, -1)  # [2, n, B], still a view
+    i, end = first, first + n
+    while i < end:
+        j = min(run_ends[i], end)
+        local = block_ids[i]
+        np.copyto(dst[:, local : local + j - i], src_bytes[:, i - first : j - first])
+        i = j
 
 
 def _check_done(done: pb.KVTransferDone, spec: LoadSpec, written: list[bytearray], num_chunks: int) -> int:

@@ -26,6 +26,11 @@ from kvservice.kv_cache import KVCacheLayout
 from kvservice.v1 import kvservice_pb2 as pb
 
 PULL_KV_METHOD = "/kvservice.v1.KVTransfer/PullKV"
+MAX_MESSAGE_BYTES = 64 << 20  # KV chunks are ~2 MiB; gRPC's default cap is 4 MiB
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
 
 
 @dataclass(slots=True)

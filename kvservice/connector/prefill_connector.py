@@ -4,15 +4,18 @@ Scheduler side: a request whose `kv_transfer_params` carry a transfer token is a
 saving request; each step's metadata says which of its blocks became final (full, or
 the prompt's last, partial block) and must be staged. Worker side: `save_kv_layer`
 copies those blocks of that layer into the transfer's staging buffer and publishes
-them, so a pull streams layer L while later layers still compute. On CUDA the copies
-run on a side stream into pinned memory and are published once their event fires.
+them, so a pull streams layer L while later layers still compute. The copies are
+asynchronous: on CUDA on a side stream into pinned memory, on CPU on a copy thread
+(the forward goes on meanwhile, on the other core); each chunk is published once its
+copy is done, and `wait_for_save` waits for all of them.
 When the request finishes, its blocks are freed only after `finished_sending` reports it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -41,9 +44,28 @@ class PrefillConnectorMetadata:
     saves: list[SaveSpec] = field(default_factory=list)
 
 
+class _CopyDone(Protocol):
+    """What a pending copy is waited on with: a torch.cuda.Event, or a thread's future."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class _FutureDone:
+    def __init__(self, future: concurrent.futures.Future[None]) -> None:
+        self._future = future
+
+    def query(self) -> bool:
+        return self._future.done()
+
+    def synchronize(self) -> None:
+        self._future.result()
+
+
 @dataclass(slots=True)
 class _PendingCopy:
-    event: Any  # torch.cuda.Event
+    done: _CopyDone
     transfer: StagedTransfer
     chunk: StagedChunk
 
@@ -63,11 +85,14 @@ class PrefillKVConnector(KVConnectorBase):
         self._finished_saving: set[str] = set()  # finished, not yet in finished_req_ids
         self._finished_reported: set[str] = set()  # in finished_req_ids, awaiting copies
         self._copy_stream: Any = None
+        self._copy_thread: concurrent.futures.ThreadPoolExecutor | None = None
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], layout: KVCacheLayout) -> None:
         assert layout == self.layout, f"engine KV layout {layout} differs from the staging layout {self.layout}"
         if kv_caches[0].is_cuda:
             self._copy_stream = torch.cuda.Stream(device=kv_caches[0].device)
+        else:
+            self._copy_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-stage")
 
     # ------------------------------------------------------------ scheduler side
 
@@ -126,7 +151,7 @@ class PrefillKVConnector(KVConnectorBase):
             return
         if self._copy_stream is not None:
             self._copy_stream.wait_stream(torch.cuda.current_stream(kv_layer.device))
-            self._publish_ready_copies(block=False)
+        self._publish_ready_copies(block=False)
         for spec in meta.saves:
             transfer = self._step_transfers.get(spec.request_id)
             if transfer is None:
@@ -135,11 +160,14 @@ class PrefillKVConnector(KVConnectorBase):
                 ids = spec.block_ids[start : start + self.blocks_per_chunk]
                 chunk, dst = self.registry.chunk_buffer(transfer, layer, spec.first_block + start, len(ids))
                 index = torch.tensor(ids, dtype=torch.long, device=kv_layer.device)
-                if self._copy_stream is None:
+                if self._copy_stream is not None:
+                    self._copy_async(kv_layer, index, dst, transfer, chunk)
+                elif self._copy_thread is not None:
+                    future = self._copy_thread.submit(_stage_copy, kv_layer, index, dst)
+                    self._pending_copies.append(_PendingCopy(_FutureDone(future), transfer, chunk))
+                else:  # no caches registered (tests driving the connector by hand): copy now
                     torch.index_select(kv_layer, 1, index, out=dst)
                     self.registry.publish(transfer, chunk)
-                else:
-                    self._copy_async(kv_layer, index, dst, transfer, chunk)
 
     def _copy_async(
         self, kv_layer: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, transfer: StagedTransfer, chunk: StagedChunk
@@ -152,14 +180,14 @@ class PrefillKVConnector(KVConnectorBase):
             gathered.record_stream(self._copy_stream)
             event = torch.cuda.Event()
             event.record(self._copy_stream)
-        self._pending_copies.append(_PendingCopy(event, transfer, chunk))
+        self._pending_copies.append(_PendingCopy(event, transfer, chunk))  # type: ignore[arg-type]
 
     def _publish_ready_copies(self, block: bool) -> None:
         while self._pending_copies:
             head = self._pending_copies[0]
             if block:
-                head.event.synchronize()
-            elif not head.event.query():
+                head.done.synchronize()
+            elif not head.done.query():
                 return
             self._pending_copies.pop(0)
             self.registry.publish(head.transfer, head.chunk)
@@ -191,7 +219,15 @@ class PrefillKVConnector(KVConnectorBase):
         return {"staging_bytes_in_use": pool.bytes_in_use, "staging_bytes_capacity": pool.capacity_bytes}
 
     def shutdown(self) -> None:
-        self.wait_for_save()
+        self._publish_ready_copies(block=True)
+        if self._copy_thread is not None:
+            self._copy_thread.shutdown()
+
+
+def _stage_copy(kv_layer: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None:
+    # Inference mode is per thread: the copy thread enters it too (the views are inference tensors).
+    with torch.inference_mode():
+        torch.index_select(kv_layer, 1, index, out=dst)
 
 
 def _is_saving(request: Request) -> bool:

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvservice/v1/kvservice.proto\x12\x0ckvservice.v1\"\xe6\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.kvservice.v1.TokenIdsH\x00\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.kvservice.v1.SamplingParamsB\x08\n\x06prompt\"\x95\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.kvservice.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\"\x95\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.kvservice.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\"\x0e\n\x0cStatsRequest\"\xe0\x01\n\x0fKVTransferStats\x12\x15\n\rnum_transfers\x18\x01 \x01(\x04\x12\x1c\n\x14num_failed_transfers\x18\x02 \x01(\x04\x12\x12\n\nnum_chunks\x18\x03 \x01(\x04\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x15\n\rtotal_seconds\x18\x05 \x01(\x01\x12\x1c\n\x14staging_bytes_in_use\x18\x06 \x01(\x04\x12\x1e\n\x16staging_bytes_capacity\x18\x07 \x01(\x04\x12\x1c\n\x14num_staged_transfers\x18\x08 \x01(\x04\"\x80\x03\n\rStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x18\n\x10num_blocks_total\x18\x02 \x01(\r\x12\x17\n\x0fnum_blocks_free\x18\x03 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x04 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x05 \x01(\r\x12\x31\n\nkv_sending\x18\x06 \x01(\x0b\x32\x1d.kvservice.v1.KVTransferStats\x12\x33\n\x0ckv_receiving\x18\x07 \x01(\x0b\x32\x1d.kvservice.v1.KVTransferStats\x12\x1d\n\x15num_finished_requests\x18\x08 \x01(\x04\x12\x1c\n\x14num_aborted_requests\x18\t \x01(\x04\x12!\n\x19num_waiting_for_remote_kv\x18\n \x01(\r\x12*\n\x07workers\x18\x0b \x03(\x0b\x32\x19.kvservice.v1.WorkerStats\"w\n\x0bWorkerStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12*\n\x05stats\x18\x02 \x01(\x0b\x32\x1b.kvservice.v1.StatsResponse\x12\x17\n\x0fnum_outstanding\x18\x03 \x01(\r\x12\x12\n\nis_healthy\x18\x04 \x01(\x08\"B\n\x10KVTransferParams\x12\x16\n\x0eremote_address\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\"X\n\x0ePrefillRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.kvservice.v1.GenerateRequest\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\"\x99\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.kvservice.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\"\x97\x01\n\rDecodeRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.kvservice.v1.GenerateRequest\x12?\n\x12kv_transfer_params\x18\x02 \x01(\x0b\x32\x1e.kvservice.v1.KVTransferParamsH\x00\x88\x01\x01\x42\x15\n\x13_kv_transfer_params\"\x9a\x01\n\rPullKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\"\x9b\x01\n\rKVChunkHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\r\x12\x11\n\tnum_bytes\x18\x07 \x01(\x04\x12\r\n\x05\x63rc32\x18\x08 \x01(\r\"w\n\x0eKVTransferDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\"\x7f\n\x07KVChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.kvservice.v1.KVChunkHeaderH\x00\x12,\n\x04\x64one\x18\x03 \x01(\x0b\x32\x1c.kvservice.v1.KVTransferDoneH\x00\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x42\x06\n\x04kind*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe6\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.kvservice.v1.GenerateRequest\x1a\x1e.kvservice.v1.GenerateResponse0\x01\x12I\n\x08\x43omplete\x12\x1d.kvservice.v1.GenerateRequest\x1a\x1e.kvservice.v1.CompleteResponse\x12@\n\x05Stats\x12\x1a.kvservice.v1.StatsRequest\x1a\x1b.kvservice.v1.StatsResponse2\xdb\x01\n\x06Worker\x12\x46\n\x07Prefill\x12\x1c.kvservice.v1.PrefillRequest\x1a\x1d.kvservice.v1.PrefillResponse\x12G\n\x06\x44\x65\x63ode\x12\x1b.kvservice.v1.DecodeRequest\x1a\x1e.kvservice.v1.GenerateResponse0\x01\x12@\n\x05Stats\x12\x1a.kvservice.v1.StatsRequest\x1a\x1b.kvservice.v1.StatsResponse2L\n\nKVTransfer\x12>\n\x06PullKV\x12\x1b.kvservice.v1.PullKVRequest\x1a\x15.kvservice.v1.KVChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvservice/v1/kvservice.proto\x12\x0ckvservice.v1\"\xe6\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.kvservice.v1.TokenIdsH\x00\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.kvservice.v1.SamplingParamsB\x08\n\x06prompt\"\x95\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.kvservice.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\"\x95\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.kvservice.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\"\x0e\n\x0cStatsRequest\"\xe0\x01\n\x0fKVTransferStats\x12\x15\n\rnum_transfers\x18\x01 \x01(\x04\x12\x1c\n\x14num_failed_transfers\x18\x02 \x01(\x04\x12\x12\n\nnum_chunks\x18\x03 \x01(\x04\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x15\n\rtotal_seconds\x18\x05 \x01(\x01\x12\x1c\n\x14staging_bytes_in_use\x18\x06 \x01(\x04\x12\x1e\n\x16staging_bytes_capacity\x18\x07 \x01(\x04\x12\x1c\n\x14num_staged_transfers\x18\x08 \x01(\x04\"\xcd\x03\n\rStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x18\n\x10num_blocks_total\x18\x02 \x01(\r\x12\x17\n\x0fnum_blocks_free\x18\x03 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x04 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x05 \x01(\r\x12\x31\n\nkv_sending\x18\x06 \x01(\x0b\x32\x1d.kvservice.v1.KVTransferStats\x12\x33\n\x0ckv_receiving\x18\x07 \x01(\x0b\x32\x1d.kvservice.v1.KVTransferStats\x12\x1d\n\x15num_finished_requests\x18\x08 \x01(\x04\x12\x1c\n\x14num_aborted_requests\x18\t \x01(\x04\x12!\n\x19num_waiting_for_remote_kv\x18\n \x01(\r\x12*\n\x07workers\x18\x0b \x03(\x0b\x32\x19.kvservice.v1.WorkerStats\x12\x32\n\x0bspec_decode\x18\x0c \x01(\x0b\x32\x1d.kvservice.v1.SpecDecodeStats\x12\x17\n\x0fnum_preemptions\x18\r \x01(\x04\"\x99\x01\n\x0fSpecDecodeStats\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x02 \x01(\x04\x12\x18\n\x10num_verify_steps\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\"w\n\x0bWorkerStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12*\n\x05stats\x18\x02 \x01(\x0b\x32\x1b.kvservice.v1.StatsResponse\x12\x17\n\x0fnum_outstanding\x18\x03 \x01(\r\x12\x12\n\nis_healthy\x18\x04 \x01(\x08\"B\n\x10KVTransferParams\x12\x16\n\x0eremote_address\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\"X\n\x0ePrefillRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.kvservice.v1.GenerateRequest\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\"\x99\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.kvservice.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\"\x97\x01\n\rDecodeRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.kvservice.v1.GenerateRequest\x12?\n\x12kv_transfer_params\x18\x02 \x01(\x0b\x32\x1e.kvservice.v1.KVTransferParamsH\x00\x88\x01\x01\x42\x15\n\x13_kv_transfer_params\"\x9a\x01\n\rPullKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\"\x9b\x01\n\rKVChunkHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\r\x12\x11\n\tnum_bytes\x18\x07 \x01(\x04\x12\r\n\x05\x63rc32\x18\x08 \x01(\r\"w\n\x0eKVTransferDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\"\x7f\n\x07KVChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.kvservice.v1.KVChunkHeaderH\x00\x12,\n\x04\x64one\x18\x03 \x01(\x0b\x32\x1c.kvservice.v1.KVTransferDoneH\x00\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x42\x06\n\x04kind*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe6\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.kvservice.v1.GenerateRequest\x1a\x1e.kvservice.v1.GenerateResponse0\x01\x12I\n\x08\x43omplete\x12\x1d.kvservice.v1.GenerateRequest\x1a\x1e.kvservice.v1.CompleteResponse\x12@\n\x05Stats\x12\x1a.kvservice.v1.StatsRequest\x1a\x1b.kvservice.v1.StatsResponse2\xdb\x01\n\x06Worker\x12\x46\n\x07Prefill\x12\x1c.kvservice.v1.PrefillRequest\x1a\x1d.kvservice.v1.PrefillResponse\x12G\n\x06\x44\x65\x63ode\x12\x1b.kvservice.v1.DecodeRequest\x1a\x1e.kvservice.v1.GenerateResponse0\x01\x12@\n\x05Stats\x12\x1a.kvservice.v1.StatsRequest\x1a\x1b.kvservice.v1.StatsResponse2L\n\nKVTransfer\x12>\n\x06PullKV\x12\x1b.kvservice.v1.PullKVRequest\x1a\x15.kvservice.v1.KVChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvservice.v1.kvservice_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2558
-  _globals['_FINISHREASON']._serialized_end=2678
+  _globals['_FINISHREASON']._serialized_start=2791
+  _globals['_FINISHREASON']._serialized_end=2911
   _globals['_SAMPLINGPARAMS']._serialized_start=47
   _globals['_SAMPLINGPARAMS']._serialized_end=277
   _globals['_TOKENIDS']._serialized_start=279
@@ -48,29 +48,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVTRANSFERSTATS']._serialized_start=791
   _globals['_KVTRANSFERSTATS']._serialized_end=1015
   _globals['_STATSRESPONSE']._serialized_start=1018
-  _globals['_STATSRESPONSE']._serialized_end=1402
-  _globals['_WORKERSTATS']._serialized_start=1404
-  _globals['_WORKERSTATS']._serialized_end=1523
-  _globals['_KVTRANSFERPARAMS']._serialized_start=1525
-  _globals['_KVTRANSFERPARAMS']._serialized_end=1591
-  _globals['_PREFILLREQUEST']._serialized_start=1593
-  _globals['_PREFILLREQUEST']._serialized_end=1681
-  _globals['_PREFILLRESPONSE']._serialized_start=1684
-  _globals['_PREFILLRESPONSE']._serialized_end=1837
-  _globals['_DECODEREQUEST']._serialized_start=1840
-  _globals['_DECODEREQUEST']._serialized_end=1991
-  _globals['_PULLKVREQUEST']._serialized_start=1994
-  _globals['_PULLKVREQUEST']._serialized_end=2148
-  _globals['_KVCHUNKHEADER']._serialized_start=2151
-  _globals['_KVCHUNKHEADER']._serialized_end=2306
-  _globals['_KVTRANSFERDONE']._serialized_start=2308
-  _globals['_KVTRANSFERDONE']._serialized_end=2427
-  _globals['_KVCHUNK']._serialized_start=2429
-  _globals['_KVCHUNK']._serialized_end=2556
-  _globals['_GENERATION']._serialized_start=2681
-  _globals['_GENERATION']._serialized_end=2911
-  _globals['_WORKER']._serialized_start=2914
-  _globals['_WORKER']._serialized_end=3133
-  _globals['_KVTRANSFER']._serialized_start=3135
-  _globals['_KVTRANSFER']._serialized_end=3211
+  _globals['_STATSRESPONSE']._serialized_end=1479
+  _globals['_SPECDECODESTATS']._serialized_start=1482
+  _globals['_SPECDECODESTATS']._serialized_end=1635
+  _globals['_WORKERSTATS']._serialized_start=1637
+  _globals['_WORKERSTATS']._serialized_end=1756
+  _globals['_KVTRANSFERPARAMS']._serialized_start=1758
+  _globals['_KVTRANSFERPARAMS']._serialized_end=1824
+  _globals['_PREFILLREQUEST']._serialized_start=1826
+  _globals['_PREFILLREQUEST']._serialized_end=1914
+  _globals['_PREFILLRESPONSE']._serialized_start=1917
+  _globals['_PREFILLRESPONSE']._serialized_end=2070
+  _globals['_DECODEREQUEST']._serialized_start=2073
+  _globals['_DECODEREQUEST']._serialized_end=2224
+  _globals['_PULLKVREQUEST']._serialized_start=2227
+  _globals['_PULLKVREQUEST']._serialized_end=2381
+  _globals['_KVCHUNKHEADER']._serialized_start=2384
+  _globals['_KVCHUNKHEADER']._serialized_end=2539
+  _globals['_KVTRANSFERDONE']._serialized_start=2541
+  _globals['_KVTRANSFERDONE']._serialized_end=2660
+  _globals['_KVCHUNK']._serialized_start=2662
+  _globals['_KVCHUNK']._serialized_end=2789
+  _globals['_GENERATION']._serialized_start=2914
+  _globals['_GENERATION']._serialized_end=3144
+  _globals['_WORKER']._serialized_start=3147
+  _globals['_WORKER']._serialized_end=3366
+  _globals['_KVTRANSFER']._serialized_start=3368
+  _globals['_KVTRANSFER']._serialized_end=3444
 # @@protoc_insertion_point(module_scope)

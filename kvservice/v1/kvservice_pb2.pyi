@@ -107,7 +107,7 @@ class KVTransferStats(_message.Message):
     def __init__(self, num_transfers: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., total_seconds: _Optional[float] = ..., staging_bytes_in_use: _Optional[int] = ..., staging_bytes_capacity: _Optional[int] = ..., num_staged_transfers: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("role", "num_blocks_total", "num_blocks_free", "num_running_requests", "num_waiting_requests", "kv_sending", "kv_receiving", "num_finished_requests", "num_aborted_requests", "num_waiting_for_remote_kv", "workers")
+    __slots__ = ("role", "num_blocks_total", "num_blocks_free", "num_running_requests", "num_waiting_requests", "kv_sending", "kv_receiving", "num_finished_requests", "num_aborted_requests", "num_waiting_for_remote_kv", "workers", "spec_decode", "num_preemptions")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,8 @@ class StatsResponse(_message.Message):
     NUM_ABORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FOR_REMOTE_KV_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_blocks_total: int
     num_blocks_free: int
@@ -130,7 +132,23 @@ class StatsResponse(_message.Message):
     num_aborted_requests: int
     num_waiting_for_remote_kv: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
-    def __init__(self, role: _Optional[str] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_sending: _Optional[_Union[KVTransferStats, _Mapping]] = ..., kv_receiving: _Optional[_Union[KVTransferStats, _Mapping]] = ..., num_finished_requests: _Optional[int] = ..., num_aborted_requests: _Optional[int] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ...) -> None: ...
+    spec_decode: SpecDecodeStats
+    num_preemptions: int
+    def __init__(self, role: _Optional[str] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_sending: _Optional[_Union[KVTransferStats, _Mapping]] = ..., kv_receiving: _Optional[_Union[KVTransferStats, _Mapping]] = ..., num_finished_requests: _Optional[int] = ..., num_aborted_requests: _Optional[int] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., spec_decode: _Optional[_Union[SpecDecodeStats, _Mapping]] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+
+class SpecDecodeStats(_message.Message):
+    __slots__ = ("num_draft_tokens", "num_accepted_tokens", "num_verify_steps", "acceptance_rate", "mean_accepted_length")
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_verify_steps: int
+    acceptance_rate: float
+    mean_accepted_length: float
+    def __init__(self, num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_verify_steps: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("address", "stats", "num_outstanding", "is_healthy")

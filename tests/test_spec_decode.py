@@ -1,0 +1,179 @@
+"""Speculative decoding: greedy equals plain greedy, sampling keeps the target's law,
+the draft pass overlaps the KV save (finalize after it), and no block leaks."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hf_models import random_prompts, save_random_model
+from kvservice import LLM, SamplingParams
+from kvservice.config import EngineConfig
+from kvservice.engine import LLMEngine
+from kvservice.rejection_sampler import verify_draft_tokens
+from test_connector_lifecycle import RecordingConnector
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+ENGINE = dict(num_blocks=48, max_num_batched_tokens=48, max_num_seqs=4, dtype="float32")
+
+
+def first_layer_draft(target: pathlib.Path, path: pathlib.Path) -> pathlib.Path:
+    """A draft made of the target's first layer (plus its embeddings and head): agrees often, not always."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    for shard in target.glob("*.safetensors"):
+        tensors.update(load_file(str(shard)))
+    kept = {k: v for k, v in tensors.items() if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
+    save_file(kept, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, pathlib.Path]:
+    root = tmp_path_factory.mktemp("spec")
+    target = save_random_model("llama", root / "target")
+    return target, first_layer_draft(target, root / "draft")
+
+
+def test_greedy_speculation_equals_plain_greedy_with_rejections(models: tuple[pathlib.Path, pathlib.Path]) -> None:
+    target, draft = models
+    prompts = random_prompts([1, 5, 17, 33, 40, 3, 16], seed=3)
+    plain = LLM(str(target), **ENGINE).generate(prompts, GREEDY)
+    llm = LLM(str(target), draft_model=str(draft), num_speculative_tokens=3, **ENGINE)
+    spec = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    scheduler = llm.engine.scheduler
+    # Both verdicts happened: some drafts accepted, some rejected.
+    assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+    assert llm.engine.num_free_blocks == llm.engine.num_blocks
+
+
+def test_a_draft_identical_to_the_target_is_always_accepted(models: tuple[pathlib.Path, pathlib.Path]) -> None:
+    target, _ = models
+    llm = LLM(str(target), draft_model=str(target), num_speculative_tokens=4, **ENGINE)
+    out = llm.generate(random_prompts([9, 20], seed=4), GREEDY)
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in out)
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_draft_tokens > 0 and scheduler.num_accepted_tokens == scheduler.num_draft_tokens
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(models: tuple[pathlib.Path, pathlib.Path]) -> None:
+    target, draft = models
+    params = SamplingParams(temperature=0.8, top_k=50, max_tokens=20, seed=7, ignore_eos=True)
+    runs = [
+        LLM(str(target), draft_model=str(draft), num_speculative_tokens=2, **ENGINE).generate(random_prompts([12], seed=5), params)
+        for _ in range(2)
+    ]
+    assert runs[0][0].token_ids == runs[1][0].token_ids
+    assert len(runs[0][0].token_ids) == 20
+
+
+def test_draft_with_another_vocabulary_is_refused(models: tuple[pathlib.Path, pathlib.Path]) -> None:
+    target, _ = models
+    with pytest.raises(ValueError, match="draft_model"):
+        LLM(str(target), draft_model="tiny", num_speculative_tokens=2, **ENGINE)
+
+
+def test_rejection_sampling_keeps_the_target_distribution() -> None:
+    """Chi-square on a 6-token vocabulary: with drafts drawn from q, the emitted tokens
+    follow p (first and second position), whatever q is."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, trials = 6, 12000
+    target_logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 0.2, 1.5, -0.5, 0.9, 0.0], [0.0] * 6])
+    q = torch.tensor([[0.05, 0.4, 0.05, 0.3, 0.1, 0.1], [0.3, 0.1, 0.1, 0.2, 0.2, 0.1]])
+    params = SamplingParams(temperature=1.0)
+    p = target_logits.softmax(-1)
+    first = torch.zeros(vocab)
+    second_given_first0 = torch.zeros(vocab)
+    for _ in range(trials):
+        drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
+        out = verify_draft_tokens(target_logits, drafts, q, params, gen)
+        first[out[0]] += 1
+        if out[0] == 0 and len(out) > 1:
+            second_given_first0[out[1]] += 1
+    critical = 20.52  # chi-square, 5 degrees of freedom, p = 0.001
+    expected = p[0] * trials
+    assert float(((first - expected) ** 2 / expected).sum()) < critical
+    n = second_given_first0.sum()
+    expected2 = p[1] * n
+    assert n > 400 and float(((second_given_first0 - expected2) ** 2 / expected2).sum()) < critical
+    # And the test can fail: q's law is far from p's.
+    expected_q = q[0] * trials
+    assert float(((first - expected_q) ** 2 / expected_q).sum()) > 10 * critical
+
+
+def test_greedy_verification_accepts_the_matching_prefix() -> None:
+    logits = torch.full((4, 5), -10.0)
+    for row, token in enumerate([3, 1, 4, 2]):
+        logits[row, token] = 10.0
+    greedy = SamplingParams(temperature=0.0)
+    assert verify_draft_tokens(logits, [3, 1, 4], None, greedy, None) == [3, 1, 4, 2]  # all + bonus
+    assert verify_draft_tokens(logits, [3, 0, 4], None, greedy, None) == [3, 1]  # first mismatch replaced
+    assert verify_draft_tokens(logits, [0, 1, 4], None, greedy, None) == [3]
+
+
+def test_wait_for_save_runs_after_the_draft_pass_and_outputs_reach_the_scheduler(
+    models: tuple[pathlib.Path, pathlib.Path],
+) -> None:
+    target, draft = models
+    connector = RecordingConnector(delay_free=True)
+    config = EngineConfig(draft_model=str(draft), num_speculative_tokens=2, **ENGINE)
+    engine = LLMEngine(str(target), config, connector)
+    drafter = engine.runner.drafter
+    assert drafter is not None
+    original = drafter.propose
+
+    def recorded_propose(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        connector.calls.append(("draft_pass", ()))
+        return original(*args, **kwargs)
+
+    drafter.propose = recorded_propose  # type: ignore[method-assign]
+    engine.add_request([5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), "r")
+    engine.step()
+    names = [call[0] for call in connector.calls]
+    assert names.index("draft_pass") > names.index("get_finished")  # the lifecycle ran, deferred
+    assert names.index("wait_for_save") > names.index("draft_pass")  # finalize waited after the draft
+    assert names.index("clear_connector_metadata") > names.index("wait_for_save")
+    # Finish the request; its blocks stay until the connector reports finished_sending.
+    while engine.scheduler.num_unfinished:
+        engine.step()
+    assert engine.num_free_blocks < engine.num_blocks
+    connector.report_sending = {"r"}
+    engine.step()
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_decode_worker_with_a_draft_recomputes_the_draft_kv(
+    models: tuple[pathlib.Path, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    """In-process stand-in for the disaggregated case: a request whose prompt KV 'arrived'
+    (num_computed set as after a pull) makes the draft catch up over the whole prompt."""
+    target, draft = models
+    prompts = random_prompts([30], seed=9)
+    plain = LLM(str(target), **ENGINE).generate(prompts, GREEDY)[0].token_ids
+    spec_llm = LLM(str(target), draft_model=str(draft), num_speculative_tokens=3, **ENGINE)
+    engine = spec_llm.engine
+    # Prefill with the target only, as a prefill worker would, by running one step with
+    # the drafter detached; then re-attach it: its KV for the prompt is missing.
+    drafter, engine.runner.drafter = engine.runner.drafter, None
+    engine.add_request(prompts[0], GREEDY, "r")
+    engine.step()
+    request = engine.scheduler.requests["r"]
+    assert request.num_draft_computed_tokens == 0
+    engine.runner.drafter = drafter
+    tokens: list[int] = list(request.output_token_ids)
+    while engine.scheduler.num_unfinished:
+        for out in engine.step():
+            if out.finished:
+                tokens = out.token_ids
+    assert tokens == plain
+    assert engine.num_free_blocks == engine.num_blocks
+    shutil.rmtree(tmp_path, ignore_errors=True)
