@@ -23,7 +23,7 @@ from kvservice.client.bench_metrics import RequestRecord
 from kvservice.client.bench_serve import (
     add_workload_arguments,
     result_json,
-    run_benchmark,
+    run_benchmark_with_args,
     sample_requests,
     workload_settings,
     write_json,
@@ -149,18 +149,7 @@ async def _compare(
     for name, cluster in deployments.items():
         print(f"{name}: starting", file=sys.stderr, flush=True)
         async with cluster:
-            metrics, records[name], extra = await run_benchmark(
-                cluster.address,
-                requests,
-                args.request_rate,
-                args.burstiness,
-                args.max_concurrency,
-                seed=args.seed,
-                num_warmups=args.num_warmups,
-                goodput_slos=dict(args.goodput) if args.goodput else None,
-                request_timeout=args.request_timeout,
-                disable_tqdm=args.disable_tqdm,
-            )
+            metrics, records[name], extra = await run_benchmark_with_args(cluster.address, requests, args)
         results[name] = result_json(metrics, records[name], {**extra, **workload_settings(args)})
         print(f"{name}: {metrics.completed} completed, {metrics.failed} failed in {metrics.duration_s:.1f} s", file=sys.stderr, flush=True)
     return results, records

@@ -389,8 +389,15 @@ def main(args: argparse.Namespace) -> int:
 async def _run(args: argparse.Namespace, requests: list[SampledRequest]) -> tuple[BenchmarkMetrics, list[RequestRecord], dict[str, Any]]:
     async with KVServiceClient(args.target) as client:
         await client.wait_until_serving(args.ready_timeout)
+    return await run_benchmark_with_args(args.target, requests, args)
+
+
+async def run_benchmark_with_args(
+    target: str, requests: list[SampledRequest], args: argparse.Namespace
+) -> tuple[BenchmarkMetrics, list[RequestRecord], dict[str, Any]]:
+    """`run_benchmark` with the workload flags that `bench serve` and `bench compare` share."""
     return await run_benchmark(
-        args.target,
+        target,
         requests,
         args.request_rate,
         args.burstiness,

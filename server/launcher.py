@@ -19,17 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvservice.client.client import KVServiceClient
+from kvservice.process_env import WORKER_ENV
 
-# Malloc settings that keep large message buffers out of fresh mmaps (DESIGN.md: the
-# biggest single win for gRPC throughput), and OpenMP threads that sleep instead of
-# spinning against gRPC's threads. Both must be in the environment at process start.
-WORKER_ENV = {
-    "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296:"
-    "glibc.malloc.top_pad=67108864:glibc.malloc.arena_max=1",
-    "OMP_WAIT_POLICY": "PASSIVE",
-    "PYTHONUNBUFFERED": "1",
-}
 _READY = re.compile(r"listening on (\S+:\d+)")
+_HTTP = re.compile(r"http on (\S+:\d+)")
+_METRICS = re.compile(r"metrics on (\S+:\d+)")
 
 
 class LaunchError(RuntimeError):
@@ -41,6 +35,8 @@ class ChildProcess:
     name: str
     process: asyncio.subprocess.Process
     address: str = ""
+    http_address: str = ""  # the OpenAI-compatible front (a proxy with --http-port)
+    metrics_address: str = ""  # /metrics (with --metrics-port)
     drain: asyncio.Task[None] | None = None
 
 
@@ -120,6 +116,10 @@ class LocalCluster:
             code = await process.wait()
             raise LaunchError(f"{name} exited with code {code} before it was ready ({' '.join(cmd)})")
         child.address = match.group(1)
+        for pattern, attribute in ((_HTTP, "http_address"), (_METRICS, "metrics_address")):
+            found = pattern.search(line.decode(errors="replace"))
+            if found is not None:
+                setattr(child, attribute, found.group(1))
         child.drain = asyncio.create_task(_drain(process.stdout))
         return child
 
@@ -159,6 +159,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers (default: 1)")
     parser.add_argument("--num-decode", type=int, default=1, help="decode workers (default: 1)")
     parser.add_argument("--port", type=int, default=8000, help="the proxy's port (default: 8000; 0 lets the OS pick)")
+    parser.add_argument("--http-port", type=int, default=None, help="the proxy's OpenAI-compatible HTTP API on this port (default: off)")
+    parser.add_argument("--metrics-port", type=int, default=None, help="the proxy's Prometheus /metrics on this port; every worker gets one the OS picks (default: off)")
     parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker")
 
 
@@ -170,7 +172,13 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:
-    cluster = LocalCluster(args.model, args.num_prefill, args.num_decode, args.port, worker_args)
+    proxy_args: list[str] = []
+    if args.http_port is not None:
+        proxy_args += ["--http-port", str(args.http_port), "--served-model-name", args.model]
+    if args.metrics_port is not None:
+        proxy_args += ["--metrics-port", str(args.metrics_port)]
+        worker_args = [*worker_args, "--metrics-port", "0"]
+    cluster = LocalCluster(args.model, args.num_prefill, args.num_decode, args.port, worker_args, proxy_args=proxy_args)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -179,7 +187,8 @@ async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:
         await cluster.start()
         print(f"kvservice launch: proxy listening on {cluster.address}", flush=True)
         for child in cluster.children:
-            print(f"  {child.name:<10} {child.address}  (pid {child.process.pid})", flush=True)
+            extras = "".join(f", {what} {address}" for what, address in (("http", child.http_address), ("metrics", child.metrics_address)) if address)
+            print(f"  {child.name:<10} {child.address}  (pid {child.process.pid}{extras})", flush=True)
         print("Ctrl-C or SIGTERM stops everything.", flush=True)
         waits = [asyncio.create_task(c.process.wait()) for c in cluster.children]
         stopper = asyncio.create_task(stop.wait())

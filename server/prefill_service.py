@@ -8,6 +8,7 @@ waiting pull ends at once and the staging memory comes back.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import grpc
@@ -19,43 +20,50 @@ from kvservice.sampling_params import SamplingParams
 from kvservice.tokenizer import IncrementalDetokenizer
 from kvservice.server.convert import finish_reason_to_proto, prompt_from_proto, sampling_params_from_proto
 from kvservice.server.errors import RequestFailed, abort_with
+from kvservice.server.metrics import ServerMetrics
 from kvservice.server.stats import engine_stats
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
+logger = logging.getLogger(__name__)
 
 class PrefillWorkerService(pb_grpc.WorkerServicer):
-    def __init__(self, engine: AsyncLLMEngine, registry: TransferRegistry, staging_wait_seconds: float = 10.0) -> None:
+    def __init__(
+        self, engine: AsyncLLMEngine, registry: TransferRegistry, staging_wait_seconds: float = 10.0, metrics: ServerMetrics | None = None
+    ) -> None:
         self.engine = engine
         self.registry = registry
         self.staging_wait_seconds = staging_wait_seconds
+        self.metrics = metrics if metrics is not None else ServerMetrics("prefill")
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         inner = request.request
         registered = False
         completed = False
         try:
-            if not inner.request_id:
-                raise ValueError("request.request_id: empty (the proxy assigns one)")
-            if not request.transfer_token:
-                raise ValueError("transfer_token: empty")
-            params = sampling_params_from_proto(inner.sampling_params)
-            token_ids = self.engine.engine.encode(prompt_from_proto(inner))
-            await self.registry.register_when_space(
-                inner.request_id, request.transfer_token, len(token_ids), self.staging_wait_seconds
-            )
-            registered = True
-            # The prefill samples exactly one token; the decode worker applies the real limits.
-            prefill_params = replace(params, max_tokens=1)
-            last = None
-            async for out in self.engine.generate(
-                token_ids, prefill_params, inner.request_id, {TRANSFER_TOKEN: request.transfer_token}
-            ):
-                if out.error is not None:
-                    raise RequestFailed(out.error)
-                last = out
-            assert last is not None and last.token_ids
-            completed = True
+            with self.metrics.track(inner.request_id, logger) as tracker:
+                if not inner.request_id:
+                    raise ValueError("request.request_id: empty (the proxy assigns one)")
+                if not request.transfer_token:
+                    raise ValueError("transfer_token: empty")
+                params = sampling_params_from_proto(inner.sampling_params)
+                token_ids = self.engine.engine.encode(prompt_from_proto(inner))
+                await self.registry.register_when_space(
+                    inner.request_id, request.transfer_token, len(token_ids), self.staging_wait_seconds
+                )
+                registered = True
+                # The prefill samples exactly one token; the decode worker applies the real limits.
+                prefill_params = replace(params, max_tokens=1)
+                last = None
+                async for out in self.engine.generate(
+                    token_ids, prefill_params, inner.request_id, {TRANSFER_TOKEN: request.transfer_token}
+                ):
+                    if out.error is not None:
+                        raise RequestFailed(out.error)
+                    last = out
+                assert last is not None and last.token_ids
+                tracker.on_tokens(len(last.token_ids))
+                completed = True
             first = last.token_ids[0]
             return pb.PrefillResponse(
                 request_id=inner.request_id,

@@ -21,6 +21,7 @@ import grpc
 from kvservice.server.colocated_service import merge_into_complete
 from kvservice.server.errors import NoWorkerAvailable, abort_with
 from kvservice.server.generation import new_request_id
+from kvservice.server.metrics import ServerMetrics
 from kvservice.server.worker_pool import WorkerHandle, WorkerPool
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
@@ -34,9 +35,10 @@ _WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE}
 
 
 class ProxyService(pb_grpc.GenerationServicer):
-    def __init__(self, prefill: WorkerPool, decode: WorkerPool) -> None:
+    def __init__(self, prefill: WorkerPool, decode: WorkerPool, metrics: ServerMetrics | None = None) -> None:
         self.prefill = prefill
         self.decode = decode
+        self.metrics = metrics if metrics is not None else ServerMetrics("proxy")
         self.num_requests = 0
         self.num_degraded = 0
 
@@ -56,28 +58,40 @@ class ProxyService(pb_grpc.GenerationServicer):
             await abort_with(context, e)
         return result
 
+    def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """The routing path of `Generate`, for other fronts (the OpenAI-compatible HTTP one).
+
+        Errors raise (map them with `errors.status_for`); closing the iterator early
+        cancels the request on its workers."""
+        return self._generate(request)
+
     async def _generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        if request.WhichOneof("prompt") is None:
-            raise ValueError("prompt: set either text or token_ids")
         inner = pb.GenerateRequest()
         inner.CopyFrom(request)
         if not inner.request_id:
             inner.request_id = new_request_id()
-        self.num_requests += 1
-        decode_worker = self.decode.pick()
-        if decode_worker is None:
-            raise NoWorkerAvailable("no healthy decode worker")
-        prefill_worker = self.prefill.pick()
-        if prefill_worker is None:
-            self.num_degraded += 1
-        with self.decode.using(decode_worker):
+        with self.metrics.track(inner.request_id, logger) as tracker:
+            if request.WhichOneof("prompt") is None:
+                raise ValueError("prompt: set either text or token_ids")
+            self.num_requests += 1
+            decode_worker = self.decode.pick()
+            if decode_worker is None:
+                raise NoWorkerAvailable("no healthy decode worker")
+            prefill_worker = self.prefill.pick()
             if prefill_worker is None:
-                async for response in self._decode_only(decode_worker, inner):
-                    yield response
-                return
-            with self.prefill.using(prefill_worker):
-                async for response in self._disaggregated(prefill_worker, decode_worker, inner):
-                    yield response
+                self.num_degraded += 1
+            logger.info("request_id=%s routed: prefill=%s decode=%s", inner.request_id,
+                        prefill_worker.address if prefill_worker is not None else "none (degraded)", decode_worker.address)
+            with self.decode.using(decode_worker):
+                if prefill_worker is None:
+                    async for response in self._decode_only(decode_worker, inner):
+                        tracker.on_tokens(len(response.token_ids))
+                        yield response
+                    return
+                with self.prefill.using(prefill_worker):
+                    async for response in self._disaggregated(prefill_worker, decode_worker, inner):
+                        tracker.on_tokens(len(response.token_ids))
+                        yield response
 
     async def _decode_only(self, decode_worker: WorkerHandle, inner: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         call = decode_worker.stub.Decode(pb.DecodeRequest(request=inner))

@@ -7,12 +7,18 @@ import asyncio
 import contextlib
 import logging
 
+from aiohttp import web
+from grpc_health.v1 import health_pb2
+
 from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, configure_logging, run_event_loop
+from kvservice.server.metrics import ServerMetrics, metrics_app, metrics_handler, start_http
+from kvservice.server.openai_front import OpenAIFront
 from kvservice.server.proxy import ProxyService
 from kvservice.server.worker_pool import WorkerPool
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
+LIVENESS_SERVICE = "liveness"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 lets the OS pick (default: 0)")
     parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between worker health checks (default: 1)")
     parser.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default: 30)")
+    parser.add_argument("--http-port", type=int, default=None, help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/models, /health) on this port; 0 lets the OS pick (default: off)")
+    parser.add_argument("--served-model-name", default="kvservice", help="the model name the HTTP API answers to (default: kvservice)")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 lets the OS pick (default: off)")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
 
@@ -33,20 +42,47 @@ def main(args: argparse.Namespace) -> int:
 async def serve(args: argparse.Namespace) -> int:
     prefill = WorkerPool(args.prefill)
     decode = WorkerPool(args.decode)
+    metrics = ServerMetrics("proxy")
+    assert metrics.workers_healthy is not None
+    metrics.workers_healthy.labels("prefill").set_function(lambda: prefill.num_healthy)
+    metrics.workers_healthy.labels("decode").set_function(lambda: decode.num_healthy)
+    service = ProxyService(prefill, decode, metrics)
     server = GrpcServer([SERVICE_NAMES["generation"]])
-    pb_grpc.add_GenerationServicer_to_server(ProxyService(prefill, decode), server.server)
+    pb_grpc.add_GenerationServicer_to_server(service, server.server)
     port = server.bind(args.host, args.port)
     await server.set_serving(False)  # until a decode worker answers its health check
+    # For liveness probes: the process answers, whatever its workers' state.
+    await server.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    ready_line = f"kvservice proxy: listening on {args.host}:{port}"
+    runners: list[web.AppRunner] = []
+    try:
+        if args.http_port is not None:
+            front = OpenAIFront(service, args.served_model_name, lambda: decode.num_healthy > 0)
+            app = front.app()
+            app.router.add_get("/metrics", metrics_handler(metrics, None))
+            runner, http_port = await start_http(app, args.host, args.http_port, shutdown_timeout=args.grace_period)
+            runners.append(runner)
+            ready_line += f"; http on {args.host}:{http_port}"
+        if args.metrics_port is not None:
+            runner, metrics_port = await start_http(metrics_app(metrics), args.host, args.metrics_port)
+            runners.append(runner)
+            ready_line += f"; metrics on {args.host}:{metrics_port}"
+    except BaseException:
+        for runner in runners:
+            await runner.cleanup()
+        raise
     monitor = asyncio.create_task(_monitor(server, prefill, decode, args.health_interval))
 
     async def on_stop() -> None:
+        for runner in runners:  # lets in-flight HTTP requests finish (up to the grace period) while the pools are open
+            await runner.cleanup()
         monitor.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await monitor
         await prefill.close()
         await decode.close()
 
-    await server.run_until_signalled(args.grace_period, on_stop, ready_line=f"kvservice proxy: listening on {args.host}:{port}")
+    await server.run_until_signalled(args.grace_period, on_stop, ready_line=ready_line)
     return 0
 
 

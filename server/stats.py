@@ -31,12 +31,7 @@ def engine_stats(engine: LLMEngine, role: str) -> pb.StatsResponse:
         spec.mean_accepted_length = (scheduler.num_accepted_tokens + scheduler.num_verify_steps) / scheduler.num_verify_steps
     connector = engine.connector
     if isinstance(connector, DecodeKVConnector):
-        s = connector.stats
-        stats.kv_receiving.num_transfers = s.num_transfers
-        stats.kv_receiving.num_failed_transfers = s.num_failed_transfers
-        stats.kv_receiving.num_chunks = s.num_chunks
-        stats.kv_receiving.num_bytes = s.num_bytes
-        stats.kv_receiving.total_seconds = s.total_seconds
+        connector.stats.to_proto(stats.kv_receiving)
     elif isinstance(connector, PrefillKVConnector):
         pool = connector.registry.pool
         stats.kv_sending.staging_bytes_in_use = pool.bytes_in_use

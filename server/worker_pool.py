@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+CHANNEL_OPTIONS = GRPC_OPTIONS
 
 
 @dataclass(eq=False)

@@ -30,7 +30,10 @@ from kvservice.model_loader import ModelLoadError, load_model_config, resolve_dt
 from kvservice.server.colocated_service import ColocatedGenerationService
 from kvservice.server.decode_service import DecodeWorkerService
 from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, configure_logging, run_event_loop
+from kvservice.server.metrics import ServerMetrics, metrics_app, start_http
 from kvservice.server.prefill_service import PrefillWorkerService
+from kvservice.server.stats import engine_stats
+from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -57,6 +60,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-staging-mib", type=int, default=256, help="prefill side: staging pool bound (default: 256)")
     parser.add_argument("--kv-transfer-timeout", type=float, default=120.0, help="decode side: deadline of one KV pull, seconds (default: 120)")
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)")
+    parser.add_argument(
+        "--draft-model", default=None,
+        help="speculative decoding: a draft model with the same vocabulary ('tiny' or a directory); "
+        "decode and colocated workers use it, a prefill worker ignores it (decode workers recompute the draft's KV)",
+    )
+    parser.add_argument("--num-speculative-tokens", type=int, default=0, help="draft tokens proposed per step (default: 0, off)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default: 30)")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
@@ -65,6 +74,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", required=True, choices=ROLES, help="prefill, decode, or both (colocated, no KV transfer)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 lets the OS pick (default: 0)")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 lets the OS pick (default: off)")
     add_engine_arguments(parser)
 
 
@@ -80,6 +90,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         seed=args.seed,
         kv_load_failure_policy=args.kv_load_failure_policy,
+        # The draft's KV never travels: a prefill worker would compute it for nobody.
+        draft_model=None if args.role == "prefill" else args.draft_model,
+        num_speculative_tokens=0 if args.role == "prefill" else args.num_speculative_tokens,
     )
 
 
@@ -115,19 +128,35 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         connector.on_load_done = async_engine.wake
     async_engine.start()
 
+    metrics = ServerMetrics(args.role)
+    transfer_service: KVTransferService | None = None
     if args.role == "both":
         server = GrpcServer([SERVICE_NAMES["generation"]])
-        pb_grpc.add_GenerationServicer_to_server(ColocatedGenerationService(async_engine), server.server)
+        pb_grpc.add_GenerationServicer_to_server(ColocatedGenerationService(async_engine, metrics=metrics), server.server)
     elif args.role == "decode":
         server = GrpcServer([SERVICE_NAMES["worker"]])
-        pb_grpc.add_WorkerServicer_to_server(DecodeWorkerService(async_engine), server.server)
+        pb_grpc.add_WorkerServicer_to_server(DecodeWorkerService(async_engine, metrics=metrics), server.server)
     else:
         assert registry is not None
         server = GrpcServer([SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]])
-        pb_grpc.add_WorkerServicer_to_server(PrefillWorkerService(async_engine, registry), server.server)
-        server.server.add_generic_rpc_handlers([KVTransferService(registry).handler()])
+        pb_grpc.add_WorkerServicer_to_server(PrefillWorkerService(async_engine, registry, metrics=metrics), server.server)
+        transfer_service = KVTransferService(registry)
+        server.server.add_generic_rpc_handlers([transfer_service.handler()])
     port = server.bind(args.host, args.port)
     await server.set_serving(True)
+    ready_line = f"kvservice serve: role={args.role} listening on {args.host}:{port}"
+
+    metrics_runner = None
+    if args.metrics_port is not None:
+
+        async def snapshot() -> pb.StatsResponse:
+            stats: pb.StatsResponse = await async_engine.call(lambda engine: engine_stats(engine, args.role))
+            if transfer_service is not None:
+                transfer_service.stats.to_proto(stats.kv_sending)
+            return stats
+
+        metrics_runner, metrics_port = await start_http(metrics_app(metrics, snapshot), args.host, args.metrics_port)
+        ready_line += f"; metrics on {args.host}:{metrics_port}"
 
     reaper = asyncio.create_task(_expire_leases(registry)) if registry is not None else None
 
@@ -136,13 +165,13 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         await async_engine.stop()
         if connector is not None:
             connector.shutdown()
 
-    await server.run_until_signalled(
-        args.grace_period, on_stop, ready_line=f"kvservice serve: role={args.role} listening on {args.host}:{port}"
-    )
+    await server.run_until_signalled(args.grace_period, on_stop, ready_line=ready_line)
     return 0
 
 

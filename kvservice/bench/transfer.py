@@ -186,7 +186,8 @@ def _decode_process(conn: Connection, setup: _Setup, address: str) -> None:
 async def _serve_decode(conn: Connection, setup: _Setup, address: str) -> None:
     import grpc
 
-    from kvservice.connector.kv_puller import LoadSpec, PullStats, pull_kv
+    from kvservice.connector.kv_puller import LoadSpec, pull_kv
+    from kvservice.connector.transfer_stats import TransferStats
 
     idle_rss = _rss_bytes()
     layout = setup.layout
@@ -194,7 +195,7 @@ async def _serve_decode(conn: Connection, setup: _Setup, address: str) -> None:
     # Block 0 belongs to nobody: it must still be zero after every pull.
     kv_caches = allocate_kv_caches(layout, n + 1, torch.device("cpu"))
     block_ids = list(range(n, 0, -1)) if setup.is_reversed else list(range(1, n + 1))
-    stats = PullStats()
+    stats = TransferStats()
     async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
         await asyncio.wait_for(channel.channel_ready(), setup.timeout_s)
         conn.send(("ready",))

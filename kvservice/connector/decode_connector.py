@@ -25,7 +25,8 @@ import torch
 
 from kvservice.connector.base import KVConnectorBase, KVConnectorWorkerMeta
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
-from kvservice.connector.kv_puller import LoadResult, LoadSpec, PullStats, pull_kv
+from kvservice.connector.transfer_stats import TransferStats
+from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.request import Request, RequestStatus
 from kvservice.scheduler import SchedulerOutput
@@ -76,7 +77,7 @@ class DecodeKVConnector(KVConnectorBase):
         self.transfer_timeout = transfer_timeout
         self.channel_credentials = channel_credentials
         self.on_load_done = on_load_done
-        self.stats = PullStats()
+        self.stats = TransferStats()
         self._kv_caches: list[torch.Tensor] = []
         self._new_loads: list[LoadSpec] = []  # scheduler side, until the next metadata
         self._loading: dict[str, LoadSpec] = {}  # engine thread: loads started, not yet reported

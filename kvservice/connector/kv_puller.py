@@ -9,7 +9,7 @@ the `done` frame arrives and every layer's every block has been written.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -18,6 +18,7 @@ import torch
 
 from kvservice.connector import wire
 from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
+from kvservice.connector.transfer_stats import TransferStats
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.v1 import kvservice_pb2 as pb
 
@@ -40,32 +41,13 @@ class LoadResult:
     error: str | None = None
 
 
-@dataclass(slots=True)
-class PullStats:
-    num_transfers: int = 0
-    num_failed_transfers: int = 0
-    num_chunks: int = 0
-    num_bytes: int = 0
-    total_seconds: float = 0.0
-    transfer_seconds: list[float] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "num_transfers": self.num_transfers,
-            "num_failed_transfers": self.num_failed_transfers,
-            "num_chunks": self.num_chunks,
-            "num_bytes": self.num_bytes,
-            "total_seconds": self.total_seconds,
-        }
-
-
 async def pull_kv(
     channel: grpc.aio.Channel,
     spec: LoadSpec,
     kv_caches: list[torch.Tensor],
     layout: KVCacheLayout,
     timeout: float,
-    stats: PullStats,
+    stats: TransferStats,
 ) -> LoadResult:
     """Pull one transfer; failures come back as a LoadResult with `error`, never raised."""
     request = pb.PullKVRequest(
@@ -129,7 +111,6 @@ async def pull_kv(
     if error is not None:
         stats.num_failed_transfers += 1
         return LoadResult(spec.request_id, None, error)
-    stats.transfer_seconds.append(elapsed)
     return LoadResult(spec.request_id, first_token_id)
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 
 from kvservice.connector import wire
+from kvservice.connector.transfer_stats import TransferStats
 from kvservice.connector.transfer_registry import (
     StagedTransfer,
     TransferDenied,
@@ -31,24 +31,6 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
-
-
-@dataclass(slots=True)
-class TransferStats:
-    """Counters of one direction of KV traffic; plain numbers, updated on one event loop."""
-
-    num_transfers: int = 0
-    num_failed_transfers: int = 0
-    num_chunks: int = 0
-    num_bytes: int = 0
-    total_seconds: float = 0.0
-
-    def to_proto(self, into: pb.KVTransferStats) -> None:
-        into.num_transfers = self.num_transfers
-        into.num_failed_transfers = self.num_failed_transfers
-        into.num_chunks = self.num_chunks
-        into.num_bytes = self.num_bytes
-        into.total_seconds = self.total_seconds
 
 
 class KVTransferService:

@@ -1,0 +1,249 @@
+"""The deployment files: docker-compose, the GPU override, the Kubernetes manifests, the Dockerfile.
+
+No Docker engine runs here, so the compose services' own commands are started as local
+processes (service names become 127.0.0.1, fixed ports become ports the OS picks,
+`--host 0.0.0.0` becomes 127.0.0.1) and must work together: a request through the
+proxy returns tokens and carries its request id into every process's log, and the
+bench service's command exits 0. The files themselves are checked structurally, with
+`docker-compose config` (the compose spec schema) where it is installed, and with
+`kubernetes-validate` (the Kubernetes OpenAPI schemas, offline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import yaml
+
+from kvservice.client.client import KVServiceClient
+from kvservice.server.launcher import WORKER_ENV
+
+DOCKER = pathlib.Path(__file__).resolve().parent.parent / "docker"
+COMPOSE = DOCKER / "docker-compose.yml"
+COMPOSE_GPU = DOCKER / "docker-compose.gpu.yml"
+WORKERS = ("prefill", "decode")
+PORT_FLAGS = ("--port", "--http-port", "--metrics-port")
+_VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+_READY = re.compile(r"listening on (\S+:\d+)")
+START_TIMEOUT = 120.0
+BENCH_TIMEOUT = 240.0
+
+
+def load_yaml(path: pathlib.Path) -> dict[str, Any]:
+    with path.open() as f:
+        return yaml.safe_load(f)
+
+
+def interpolate(value: str) -> str:
+    """Compose's `${NAME:-default}`, with the environment this test runs in unset."""
+    return _VARIABLE.sub(lambda m: m.group(2) or "", value)
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+# ---------------------------------------------------------------- the files
+
+
+def test_compose_services_wire_up() -> None:
+    services = load_yaml(COMPOSE)["services"]
+    assert set(services) == {"prefill", "decode", "proxy", "bench"}
+    for name, service in services.items():
+        assert service["image"] and service["build"]["dockerfile"] == "docker/Dockerfile"
+        command = service["command"]
+        assert isinstance(command, list) and command[0] == "kvservice", name
+    for name in WORKERS:
+        command = services[name]["command"]
+        assert command[1:4] == ["serve", "--role", name]
+        assert flag_value(command, "--host") == "0.0.0.0"
+    proxy = services["proxy"]["command"]
+    assert proxy[1] == "proxy" and flag_value(proxy, "--host") == "0.0.0.0"
+    assert flag_value(proxy, "--prefill") == f"prefill:{flag_value(services['prefill']['command'], '--port')}"
+    assert flag_value(proxy, "--decode") == f"decode:{flag_value(services['decode']['command'], '--port')}"
+    # Every long-running service is health-checked through gRPC health on its own port.
+    for name in (*WORKERS, "proxy"):
+        test = services[name]["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "kvservice", "health"]
+        assert flag_value(test, "--target") == f"127.0.0.1:{flag_value(services[name]['command'], '--port')}"
+    assert services["proxy"]["depends_on"] == {w: {"condition": "service_healthy"} for w in WORKERS}
+    bench = services["bench"]
+    assert bench["profiles"] == ["bench"]
+    assert bench["command"][1:3] == ["bench", "serve"]
+    assert flag_value(bench["command"], "--target") == f"proxy:{flag_value(proxy, '--port')}"
+    assert bench["depends_on"] == {"proxy": {"condition": "service_healthy"}}
+
+
+def test_compose_gpu_override() -> None:
+    base = load_yaml(COMPOSE)["services"]
+    gpu = load_yaml(COMPOSE_GPU)["services"]
+    for name in WORKERS:
+        assert gpu[name]["command"] == [*base[name]["command"], "--device", "cuda"]
+        (device,) = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and device["count"] == 1
+    for name in base:
+        assert "BASE_IMAGE" in gpu[name]["build"]["args"] and "cuda" in gpu[name]["build"]["args"]["BASE_IMAGE"]
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose (the compose spec schema) is not installed")
+def test_compose_files_pass_docker_compose_config() -> None:
+    for files in ([COMPOSE], [COMPOSE, COMPOSE_GPU]):
+        args = [a for f in files for a in ("-f", str(f))]
+        result = subprocess.run(["docker-compose", *args, "--profile", "bench", "config", "-q"], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+
+
+def test_kubernetes_manifests_validate() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    documents = [doc for path in sorted((DOCKER / "k8s").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
+    kinds = {(doc["kind"], doc["metadata"]["name"]) for doc in documents}
+    assert kinds >= {("ConfigMap", "kvservice-config")} | {
+        (kind, f"kvservice-{role}") for kind in ("Deployment", "Service") for role in ("prefill", "decode", "proxy")
+    }
+    for doc in documents:
+        kubernetes_validate.validate(doc, "1.30", strict=True)
+        if doc["kind"] != "Deployment":
+            continue
+        (container,) = doc["spec"]["template"]["spec"]["containers"]
+        assert container["readinessProbe"]["grpc"]["port"] == 8000
+        assert container["livenessProbe"]["grpc"]["port"] == 8000
+        assert set(container["resources"]) == {"requests", "limits"}
+        assert container["envFrom"] == [{"configMapRef": {"name": "kvservice-config"}}]
+        assert doc["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    # The validator is not a rubber stamp: a misspelt probe field fails.
+    broken = copy.deepcopy(next(d for d in documents if d["kind"] == "Deployment"))
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["prot"] = 8000
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, "1.30", strict=True)
+
+
+def test_dockerfile() -> None:
+    text = (DOCKER / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.1\d", text, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}", text, re.M)
+    assert "torch==${TORCH_VERSION}" in text and "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+    assert re.search(r"^USER 10001", text, re.M)
+    assert re.search(r"^HEALTHCHECK .*\n\s+CMD kvservice health --target \"127\.0\.0\.1:\$\{KVSERVICE_PORT\}\"", text, re.M)
+
+
+# ---------------------------------------------------------------- the commands, run
+
+
+class Service:
+    def __init__(self, name: str, process: asyncio.subprocess.Process, log: pathlib.Path) -> None:
+        self.name = name
+        self.process = process
+        self.log = log
+
+
+def local_command(command: list[str], addresses: dict[str, str]) -> list[str]:
+    """A compose command as a local process: `addresses` maps "service:port" to where it listens here."""
+    argv = [interpolate(a) for a in command]
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        previous = argv[i - 1] if i else ""
+        if previous == "--host":
+            assert arg == "0.0.0.0"
+            arg = "127.0.0.1"
+        elif previous in PORT_FLAGS:
+            arg = "0"
+        elif arg in addresses:
+            arg = addresses[arg]
+        out.append(arg)
+    assert out[0] == "kvservice"
+    return [sys.executable, "-m", "kvservice", *out[1:]]
+
+
+async def start(name: str, command: list[str], addresses: dict[str, str], log_dir: pathlib.Path) -> Service:
+    log = log_dir / f"{name}.log"
+    with log.open("wb") as stderr:
+        process = await asyncio.create_subprocess_exec(
+            *local_command(command, addresses), stdout=asyncio.subprocess.PIPE, stderr=stderr,
+            env={**os.environ, **WORKER_ENV}, start_new_session=True,
+        )
+    service = Service(name, process, log)
+    assert process.stdout is not None
+    line = (await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT)).decode()
+    assert _READY.search(line), f"{name} did not start: {line!r}\n{log.read_text()[-3000:]}"
+    # Each port flag's compose value now answers at the port this process printed.
+    for flag, label in (("--port", "listening on"), ("--http-port", "http on"), ("--metrics-port", "metrics on")):
+        declared = flag_value(command, flag)
+        if declared is not None:
+            found = re.search(label + r" (\S+:\d+)", line)
+            assert found is not None, line
+            addresses[f"{name}:{declared}"] = found.group(1)
+    return service
+
+
+async def stop(services: list[Service]) -> None:
+    for service in reversed(services):
+        if service.process.returncode is None:
+            service.process.send_signal(signal.SIGTERM)
+    for service in reversed(services):
+        try:
+            await asyncio.wait_for(service.process.wait(), 30)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(service.process.pid, signal.SIGKILL)
+            await service.process.wait()
+
+
+@contextlib.asynccontextmanager
+async def compose_up(log_dir: pathlib.Path) -> AsyncIterator[tuple[dict[str, Service], dict[str, str]]]:
+    """The compose file's default services (no profiles), started in `depends_on` order."""
+    services = load_yaml(COMPOSE)["services"]
+    addresses: dict[str, str] = {}
+    started: dict[str, Service] = {}
+    try:
+        # The workers do not depend on each other: start them together, then the proxy.
+        workers = [n for n, s in services.items() if "profiles" not in s and "depends_on" not in s]
+        started.update(zip(workers, await asyncio.gather(*(start(n, services[n]["command"], addresses, log_dir) for n in workers))))
+        for name, service in services.items():
+            if name not in started and "profiles" not in service:
+                assert set(service["depends_on"]) <= set(started)
+                started[name] = await start(name, service["command"], addresses, log_dir)
+        async with KVServiceClient(addresses[f"proxy:{flag_value(services['proxy']['command'], '--port')}"]) as client:
+            await client.wait_until_serving(START_TIMEOUT)
+        yield started, addresses
+    finally:
+        await stop(list(started.values()))
+
+
+@pytest.mark.slow
+async def test_compose_commands_serve_together_and_bench_exits_0(tmp_path: pathlib.Path) -> None:
+    services = load_yaml(COMPOSE)["services"]
+    request_id = "deploy-test-7f3a9c"
+    async with compose_up(tmp_path) as (started, addresses):
+        proxy = addresses[f"proxy:{flag_value(services['proxy']['command'], '--port')}"]
+        async with KVServiceClient(proxy) as client:
+            token_ids: list[int] = []
+            async for chunk in client.generate([1, 2, 3, 4, 5], max_tokens=6, temperature=0, ignore_eos=True, request_id=request_id, timeout=60):
+                assert chunk.request_id == request_id
+                token_ids += chunk.token_ids
+        assert len(token_ids) == 6
+
+        bench = await asyncio.create_subprocess_exec(
+            *local_command(services["bench"]["command"], addresses), stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, env={**os.environ, **WORKER_ENV},
+        )
+        output, _ = await asyncio.wait_for(bench.communicate(), BENCH_TIMEOUT)
+        assert bench.returncode == 0, output.decode()[-3000:]
+        completed = re.search(rb"Successful requests:\s+(\d+)", output)
+        assert completed is not None and int(completed.group(1)) == int(flag_value(services["bench"]["command"], "--num-prompts")), output.decode()[-3000:]
+
+    # The client's request id is in the INFO log of the proxy, the prefill and the decode worker.
+    for name in ("proxy", "prefill", "decode"):
+        log = started[name].log.read_text()
+        assert re.search(rf" INFO .*request_id={request_id}\b", log), f"{name}:\n{log[-3000:]}"
