@@ -25,7 +25,8 @@ import torch
 from kvservice.config import EngineConfig
 from kvservice.connector import wire
 from kvservice.connector.decode_connector import REMOTE_ADDRESS, DecodeKVConnector
-from kvservice.connector.kv_puller import LoadSpec, PullStats, pull_kv
+from kvservice.connector.transfer_stats import TransferStats
+from kvservice.connector.kv_puller import LoadSpec, pull_kv
 from kvservice.connector.kv_transfer_service import KVTransferService
 from kvservice.connector.prefill_connector import TRANSFER_TOKEN, PrefillKVConnector
 from kvservice.connector.staging import StagingPool
@@ -277,7 +278,7 @@ async def test_pull_with_a_wrong_token_is_refused_and_the_transfer_stays_pullabl
         before = [c.clone() for c in caches]
         spec = LoadSpec("r", pair.address, b"not-the-token", block_ids=[7, 1, 3, 5], num_tokens=len(prompt))
         async with grpc.aio.insecure_channel(pair.address) as channel:
-            result = await pull_kv(channel, spec, caches, LAYOUT, WAIT, PullStats())
+            result = await pull_kv(channel, spec, caches, LAYOUT, WAIT, TransferStats())
         assert result.first_token_id is None
         assert result.error is not None and "PERMISSION_DENIED" in result.error
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(before, caches))
@@ -405,7 +406,7 @@ async def test_pull_with_a_different_kv_layout_is_refused() -> None:
         caches = allocate_kv_caches(other, 4, torch.device("cpu"))
         spec = LoadSpec("r", pair.address, token, block_ids=[0], num_tokens=len(prompt))
         async with grpc.aio.insecure_channel(pair.address) as channel:
-            result = await pull_kv(channel, spec, caches, other, WAIT, PullStats())
+            result = await pull_kv(channel, spec, caches, other, WAIT, TransferStats())
         assert result.error is not None and "FAILED_PRECONDITION" in result.error and "block_size" in result.error
         assert not any(bool(c.any()) for c in caches)
         assert pair.registry.get("r") is not None  # untouched: its own decode worker can still pull it
@@ -517,7 +518,7 @@ async def pull_from(address: str, request_id: str) -> tuple[object, list[torch.T
     before = [c.clone() for c in caches]
     spec = LoadSpec(request_id, address, b"token", block_ids=LOCAL_BLOCKS, num_tokens=7)
     async with grpc.aio.insecure_channel(address) as channel:
-        result = await pull_kv(channel, spec, caches, SMALL, WAIT, PullStats())
+        result = await pull_kv(channel, spec, caches, SMALL, WAIT, TransferStats())
     return result, before, caches
 
 
