@@ -128,7 +128,14 @@ class KVServiceClient:
         )
 
     async def stats(self, timeout: float = 10.0) -> pb.StatsResponse:
-        return await self._stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=self._metadata)
+        """Stats of a proxy or a colocated worker (Generation.Stats), or of a prefill or
+        decode worker (Worker.Stats, which is all they serve)."""
+        try:
+            return await self._stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+        return await pb_grpc.WorkerStub(self.channel).Stats(pb.StatsRequest(), timeout=timeout, metadata=self._metadata)
 
     async def health(self, service: str = "", timeout: float = 5.0) -> str:
         """The server's health status name (SERVING, NOT_SERVING, ...)."""

@@ -82,6 +82,9 @@ class PrefillWorkerService(pb_grpc.WorkerServicer):
             elif not registered and inner.request_id:
                 self.registry.reject(inner.request_id, "the prefill request was refused")
 
+    async def ReleaseKV(self, request: pb.ReleaseKVRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseKVResponse:
+        return pb.ReleaseKVResponse(was_staged=self.registry.release(request.request_id, request.transfer_token))
+
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return await self.engine.call(lambda engine: engine_stats(engine, "prefill"))
 

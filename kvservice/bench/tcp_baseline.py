@@ -35,7 +35,16 @@ class TransferResult:
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """This process's own peak RSS (VmHWM). Not getrusage's ru_maxrss: Linux carries that
+    over from the parent at fork, so a child spawned by a big parent reports the parent's."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:

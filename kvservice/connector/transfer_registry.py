@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hmac
 import threading
 import time
 from collections.abc import Callable
@@ -203,6 +204,16 @@ class TransferRegistry:
             waiters = list(transfer.waiters)
         _wake(waiters)
 
+    def release(self, request_id: str, token: bytes) -> bool:
+        """The router gave the transfer up (only the token's holder may): fail it and free
+        its staging once nothing holds it. Returns whether such a transfer was staged."""
+        with self._lock:
+            transfer = self._transfers.get(request_id)
+            if transfer is None or not hmac.compare_digest(transfer.token, token):
+                return False
+        self.fail(request_id, "released: the router gave this transfer up")
+        return True
+
     def fail(self, request_id: str, error: str) -> None:
         """The transfer will not complete (aborted, lease expired): pulls end with `error`."""
         with self._lock:
@@ -251,8 +262,6 @@ class TransferRegistry:
 
     def start_pull(self, transfer: StagedTransfer, token: bytes) -> asyncio.Event:
         """Claim the transfer for one pull; returns the event set whenever it changes."""
-        import hmac
-
         if not hmac.compare_digest(transfer.token, token):
             raise TransferDenied("transfer_token does not match this transfer")
         event = asyncio.Event()

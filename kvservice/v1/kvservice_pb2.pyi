@@ -200,6 +200,20 @@ class DecodeRequest(_message.Message):
     kv_transfer_params: KVTransferParams
     def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
 
+class ReleaseKVRequest(_message.Message):
+    __slots__ = ("request_id", "transfer_token")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_token: bytes
+    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[bytes] = ...) -> None: ...
+
+class ReleaseKVResponse(_message.Message):
+    __slots__ = ("was_staged",)
+    WAS_STAGED_FIELD_NUMBER: _ClassVar[int]
+    was_staged: bool
+    def __init__(self, was_staged: _Optional[bool] = ...) -> None: ...
+
 class PullKVRequest(_message.Message):
     __slots__ = ("request_id", "transfer_token", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -202,6 +202,11 @@ class WorkerStub:
                 request_serializer=kvservice_dot_v1_dot_kvservice__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.ReleaseKV = channel.unary_unary(
+                '/kvservice.v1.Worker/ReleaseKV',
+                request_serializer=kvservice_dot_v1_dot_kvservice__pb2.ReleaseKVRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.ReleaseKVResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvservice.v1.Worker/Stats',
                 request_serializer=kvservice_dot_v1_dot_kvservice__pb2.StatsRequest.SerializeToString,
@@ -227,6 +232,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseKV(self, request, context):
+        """Prefill workers: drop a staged transfer (only with its token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -245,6 +257,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.DecodeRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_kvservice__pb2.GenerateResponse.SerializeToString,
+            ),
+            'ReleaseKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKV,
+                    request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.ReleaseKVRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kvservice__pb2.ReleaseKVResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -306,6 +323,33 @@ class Worker:
             '/kvservice.v1.Worker/Decode',
             kvservice_dot_v1_dot_kvservice__pb2.DecodeRequest.SerializeToString,
             kvservice_dot_v1_dot_kvservice__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.Worker/ReleaseKV',
+            kvservice_dot_v1_dot_kvservice__pb2.ReleaseKVRequest.SerializeToString,
+            kvservice_dot_v1_dot_kvservice__pb2.ReleaseKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

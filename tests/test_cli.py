@@ -1,0 +1,155 @@
+"""The `kvservice` command line: every command's --help, and generate/stats/health
+against one colocated server on the built-in tiny model (started once for the module).
+
+The main paths run the installed console script as a user would; the rest call
+`kvservice.cli.main` in this process (each new process pays torch's import, seconds
+on a small machine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import sys
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from kvservice.cli import BENCHMARKS, COMMANDS, main
+from kvservice.server.launcher import LocalCluster
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+# The installed console script, next to this Python.
+KVSERVICE = str(pathlib.Path(sys.executable).with_name("kvservice"))
+
+# Subcommands as the user types them, with the one-line description each should print.
+SUBCOMMANDS = {name: spec[3] for name, spec in COMMANDS.items()}
+SUBCOMMANDS["bench"] = "benchmarks: " + ", ".join(BENCHMARKS)
+SUBCOMMANDS.update({f"bench {name}": spec[3] for name, spec in BENCHMARKS.items()})
+
+
+def words(text: str) -> str:
+    """`text` with its whitespace collapsed (argparse re-wraps descriptions)."""
+    return " ".join(text.split())
+
+
+async def run(*cmd: str, timeout: float = 120.0) -> tuple[int, str, str]:
+    """Run `cmd`; returns (exit code, stdout, stderr)."""
+    process = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        stdout, stderr = await asyncio.wait_for(process.communicate(), timeout)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode is not None
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
+async def kvservice(*args: str) -> tuple[int, str, str]:
+    return await run(KVSERVICE, *args)
+
+
+async def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`kvservice ARGS` through `kvservice.cli.main`, on a thread (the commands run their own
+    event loop); returns (exit code, stdout, stderr), a `--help` or a usage error's SystemExit too."""
+    capsys.readouterr()
+    try:
+        code = await asyncio.to_thread(main, list(args))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server() -> AsyncIterator[str]:
+    """A colocated (`--role both`) tiny server; yields its address."""
+    async with LocalCluster("tiny", colocated=True, worker_args=["--num-threads", "1", "--num-blocks", "32"]) as cluster:
+        yield cluster.address
+
+
+async def test_top_level_help() -> None:
+    code, stdout, stderr = await kvservice("--help")
+    assert code == 0, stderr
+    assert "usage: kvservice" in stdout
+    assert "prefill" in stdout and "decode" in stdout  # says what the tool is
+    for name in [*COMMANDS, "bench"]:
+        assert name in stdout
+
+
+@pytest.mark.parametrize(("command", "description"), SUBCOMMANDS.items(), ids=list(SUBCOMMANDS))
+async def test_subcommand_help(command: str, description: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, stdout, stderr = await in_process(capsys, *command.split(), "--help")
+    assert code == 0, stderr
+    assert f"usage: kvservice {command}" in stdout
+    assert words(description) in words(stdout)
+
+
+async def test_generate_json(server: str) -> None:
+    code, stdout, stderr = await kvservice(
+        "generate", "--target", server, "--prompt-token-ids", "1,2,3", "--max-tokens", "4", "--temperature", "0", "--json"
+    )
+    assert code == 0, stderr
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert len(result["token_ids"]) == 4
+    assert all(isinstance(t, int) for t in result["token_ids"])
+    assert isinstance(result["text"], str)
+    assert result["finish_reason"] == "length"
+
+
+async def test_generate_is_greedy_and_repeatable(server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two greedy runs of the same prompt print the same tokens (--temperature defaults to 0)."""
+    args = ("generate", "--target", server, "--prompt-token-ids", "5,6,7,8", "--max-tokens", "6", "--json")
+    code1, out1, err1 = await in_process(capsys, *args)
+    code2, out2, err2 = await in_process(capsys, *args)
+    assert (code1, code2) == (0, 0), err1 + err2
+    first, second = (json.loads(out.strip().splitlines()[-1]) for out in (out1, out2))
+    assert first["token_ids"] == second["token_ids"]
+    assert len(first["token_ids"]) == 6
+
+
+async def test_generate_bad_request_exits_nonzero_with_status(server: str) -> None:
+    code, stdout, stderr = await kvservice(
+        "generate", "--target", server, "--prompt-token-ids", "1,2,3", "--max-tokens", "0", "--json"
+    )
+    assert code != 0
+    assert "INVALID_ARGUMENT" in stderr
+    assert "max_tokens" in stderr
+
+
+async def test_generate_needs_a_prompt(server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, stderr = await in_process(capsys, "generate", "--target", server)
+    assert code == 2
+    assert "prompt" in stderr
+
+
+async def test_stats_json(server: str) -> None:
+    code, stdout, stderr = await kvservice("stats", "--target", server, "--json")
+    assert code == 0, stderr
+    stats = json.loads(stdout.strip().splitlines()[-1])
+    assert stats["role"] == "both"
+    assert stats["num_blocks_total"] == 32
+    assert 0 <= stats["num_blocks_free"] <= stats["num_blocks_total"]
+
+
+async def test_health_serving(server: str) -> None:
+    code, stdout, stderr = await kvservice("health", "--target", server)
+    assert code == 0, stderr
+    assert stdout.strip() == "SERVING"
+
+
+async def test_health_unreachable_exits_nonzero(capsys: pytest.CaptureFixture[str]) -> None:
+    # Port 1 on loopback: nothing listens there (and it is never ours to bind).
+    code, stdout, stderr = await in_process(capsys, "health", "--target", "127.0.0.1:1", "--timeout", "2")
+    assert code != 0
+    assert "SERVING" not in stdout
+    assert "UNAVAILABLE" in stderr or "DEADLINE_EXCEEDED" in stderr
+
+
+async def test_python_dash_m_help() -> None:
+    code, stdout, stderr = await run(sys.executable, "-m", "kvservice", "--help")
+    assert code == 0, stderr
+    assert "usage: kvservice" in stdout
