@@ -17,6 +17,7 @@ import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kvservice.attention import AttentionMetadata
@@ -225,9 +226,12 @@ class PrefillKVConnector(KVConnectorBase):
 
 
 def _stage_copy(kv_layer: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None:
-    # Inference mode is per thread: the copy thread enters it too (the views are inference tensors).
-    with torch.inference_mode():
-        torch.index_select(kv_layer, 1, index, out=dst)
+    """Gather blocks into the staging buffer with numpy: a torch op here would start an
+    OpenMP team of its own and oversubscribe the cores the forward is using."""
+    with torch.inference_mode():  # per thread; the views are inference tensors
+        src = kv_layer.view(torch.uint8).numpy()
+        out = dst.view(torch.uint8).numpy()
+    np.take(src, index.numpy(), axis=1, out=out)
 
 
 def _is_saving(request: Request) -> bool:
