@@ -51,11 +51,11 @@ COMPARE_ROWS = (
 
 @dataclass(frozen=True, slots=True)
 class CorePlan:
-    """CPU cores per process; `note` explains a fallback when fewer than two are usable."""
+    """CPU cores per process (None: not pinned); `note` explains a fallback when fewer than two are usable."""
 
-    colocated: tuple[int, ...]
-    prefill: tuple[int, ...]
-    decode: tuple[int, ...]
+    colocated: tuple[int, ...] | None
+    prefill: tuple[int, ...] | None
+    decode: tuple[int, ...] | None
     note: str = ""
 
 
@@ -99,6 +99,11 @@ def format_compare_table(results: dict[str, dict[str, Any]]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face model directory (default: tiny)")
     add_workload_arguments(parser, input_len=1024, output_len=64, num_prompts=32, request_rate=4.0, num_warmups=2)
+    parser.add_argument(
+        "--no-pin", action="store_true",
+        help="let every process use every core (an idle-system latency comparison) instead of "
+        "colocated on both cores vs prefill on one and decode on the other",
+    )
     parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker")
 
 
@@ -108,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"kvservice bench compare: error: {e}", file=sys.stderr)
         return 2
-    plan = plan_cores(os.sched_getaffinity(0))
+    plan = CorePlan(None, None, None) if args.no_pin else plan_cores(os.sched_getaffinity(0))
     if plan.note:
         print(f"kvservice bench compare: warning: {plan.note}", file=sys.stderr)
     try:
@@ -120,7 +125,8 @@ def main(args: argparse.Namespace) -> int:
     print(format_compare_table(results))
     if args.save_result:
         settings = {"model": args.model, **workload_settings(args), "cores": {
-            BASELINE: list(plan.colocated), "prefill": list(plan.prefill), "decode": list(plan.decode)}}
+            BASELINE: plan.colocated and list(plan.colocated), "prefill": plan.prefill and list(plan.prefill),
+            "decode": plan.decode and list(plan.decode)}}
         write_json(args.save_result, {"settings": settings, **results})
         print(f"result written to {args.save_result}")
     if args.plot:

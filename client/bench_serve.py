@@ -38,6 +38,7 @@ from kvservice.client.bench_metrics import (
 )
 from kvservice.client.bench_workload import SampledRequest, random_requests, request_arrivals, sharegpt_requests
 from kvservice.client.client import KVServiceClient
+from kvservice.tls import TLSFiles, add_tls_arguments
 from kvservice.v1 import kvservice_pb2 as pb
 
 # Byte ids only: valid for the `tiny` model (vocabulary 320) and any real tokenizer.
@@ -203,6 +204,8 @@ async def run_benchmark(
     goodput_slos: dict[str, float] | None = None,
     request_timeout: float | None = None,
     disable_tqdm: bool = True,
+    credentials: grpc.ChannelCredentials | None = None,
+    bearer_token: str | None = None,
 ) -> tuple[BenchmarkMetrics, list[RequestRecord], dict[str, Any]]:
     """Send `requests` to `target` at the given arrival process and measure them.
 
@@ -215,7 +218,7 @@ async def run_benchmark(
         raise ValueError("requests must not be empty")
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-    async with KVServiceClient(target) as client:
+    async with KVServiceClient(target, credentials, bearer_token) as client:
         if num_warmups > 0:
             await _warm_up(client, requests, num_warmups, request_timeout)
         kv_before = KVTransferTotals.from_stats(await client.stats())
@@ -320,6 +323,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, input_len: int, o
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, metavar="HOST:PORT", help="the proxy, or a colocated (--role both) worker")
     parser.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for the target to be SERVING (default: 60)")
+    add_tls_arguments(parser)
     add_workload_arguments(parser, input_len=1024, output_len=None, num_prompts=DEFAULT_NUM_PROMPTS, request_rate=math.inf)
 
 
@@ -387,7 +391,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace, requests: list[SampledRequest]) -> tuple[BenchmarkMetrics, list[RequestRecord], dict[str, Any]]:
-    async with KVServiceClient(args.target) as client:
+    async with KVServiceClient(args.target, TLSFiles.from_args(args).channel_credentials()) as client:
         await client.wait_until_serving(args.ready_timeout)
     return await run_benchmark_with_args(args.target, requests, args)
 
@@ -407,4 +411,7 @@ async def run_benchmark_with_args(
         goodput_slos=dict(args.goodput) if args.goodput else None,
         request_timeout=args.request_timeout,
         disable_tqdm=args.disable_tqdm,
+        # `bench compare` shares these flags but launches its own plaintext cluster.
+        credentials=TLSFiles.from_args(args).channel_credentials() if hasattr(args, "tls_ca") else None,
+        bearer_token=getattr(args, "auth_token", None),
     )

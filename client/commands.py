@@ -11,6 +11,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from kvservice.client.client import KVServiceClient
+from kvservice.tls import TLSFiles, add_tls_arguments
 
 
 def _token_ids(value: str) -> list[int]:
@@ -18,6 +19,11 @@ def _token_ids(value: str) -> list[int]:
         return [int(t) for t in value.split(",") if t.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+
+
+def _client(args: argparse.Namespace) -> KVServiceClient:
+    """A client with the TLS files and bearer token of the command line."""
+    return KVServiceClient(args.target, TLSFiles.from_args(args).channel_credentials(), args.auth_token)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +39,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-id", default="", help="request id (default: the server assigns one)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object with token_ids, text, finish_reason")
+    add_tls_arguments(parser)
 
 
 def generate_main(args: argparse.Namespace) -> int:
@@ -48,7 +55,7 @@ async def _generate(args: argparse.Namespace) -> int:
     text = ""
     finish_reason = None
     request_id = ""
-    async with KVServiceClient(args.target) as client:
+    async with _client(args) as client:
         try:
             async for chunk in client.generate(
                 prompt,
@@ -81,6 +88,7 @@ async def _generate(args: argparse.Namespace) -> int:
 def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, metavar="HOST:PORT", help="a proxy or a worker")
     parser.add_argument("--json", action="store_true", help="print the stats as one JSON object")
+    add_tls_arguments(parser)
 
 
 def stats_main(args: argparse.Namespace) -> int:
@@ -88,7 +96,7 @@ def stats_main(args: argparse.Namespace) -> int:
 
 
 async def _stats(args: argparse.Namespace) -> int:
-    async with KVServiceClient(args.target) as client:
+    async with _client(args) as client:
         try:
             stats = await client.stats()
         except grpc.aio.AioRpcError as e:
@@ -114,11 +122,12 @@ async def _stats(args: argparse.Namespace) -> int:
 def add_health_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, metavar="HOST:PORT", help="any kvservice server")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default: 5)")
+    add_tls_arguments(parser)
 
 
 def health_main(args: argparse.Namespace) -> int:
     async def check() -> str:
-        async with KVServiceClient(args.target) as client:
+        async with _client(args) as client:
             return await client.health(timeout=args.timeout)
 
     try:

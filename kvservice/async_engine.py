@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,10 @@ _IDLE_WAIT_S = 0.05
 
 class EngineDeadError(RuntimeError):
     """The step loop failed; the engine serves nothing more."""
+
+
+class QueueFull(RuntimeError):
+    """Admission control: `max_queued_requests` requests already wait; retry later or elsewhere."""
 
 
 @dataclass(slots=True)
@@ -55,8 +60,13 @@ class _Call:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None) -> None:
+        """`max_queued_requests` bounds the requests not yet running (waiting, preempted, or
+        waiting for remote KV); past it `generate` raises QueueFull at once. None: no bound."""
+        if max_queued_requests is not None and max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
         self.engine = engine
+        self.max_queued_requests = max_queued_requests
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -106,11 +116,14 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         future: asyncio.Future[str] = self._loop.create_future()
-        self._commands.put(_Add(prompt, params, request_id, kv_transfer_params, future, outputs))
+        # The id is fixed here, so a caller cancelled while the add is still queued can
+        # abort it too (the abort follows the add through the same queue).
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        self._commands.put(_Add(prompt, params, rid, kv_transfer_params, future, outputs))
         self._wakeup.set()
-        rid = await future
         finished = False
         try:
+            await future
             while True:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
@@ -120,7 +133,8 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            if not finished:
+            was_refused = future.done() and not future.cancelled() and future.exception() is not None
+            if not finished and not was_refused:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
@@ -179,6 +193,11 @@ class AsyncLLMEngine:
                 except Exception as e:
                     self._resolve(command.future, None, e)
             else:
+                if self._is_queue_full():
+                    self._resolve(command.future, None, QueueFull(
+                        f"server overloaded: {self.max_queued_requests} requests already queued; retry later"
+                    ))
+                    continue
                 try:
                     rid = self.engine.add_request(
                         command.prompt, command.params, command.request_id, command.kv_transfer_params
@@ -188,6 +207,12 @@ class AsyncLLMEngine:
                     continue
                 self._streams[rid] = command.outputs
                 self._resolve(command.future, rid, None)
+
+    def _is_queue_full(self) -> bool:
+        if self.max_queued_requests is None:
+            return False
+        scheduler = self.engine.scheduler
+        return len(scheduler.waiting) + len(scheduler.waiting_for_remote_kv) >= self.max_queued_requests
 
     def _resolve(self, future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
         assert self._loop is not None

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+_GREEDY_EPSILON = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick the next token, and when to stop.
 
-    `temperature=0` is greedy. `top_k=-1` and `top_p=1.0` disable those filters.
+    `temperature=0` (or below 1e-5) is greedy. `top_k=-1` and `top_p=1.0` disable those filters.
     A request with a `seed` samples reproducibly, whatever else is in the batch.
     """
 
@@ -22,9 +25,10 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        # NaN compares False with everything: check finiteness first, or `nan < 0` lets it in.
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1 or self.top_k == 0:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
@@ -37,4 +41,5 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # vLLM's epsilon: below it, logits / temperature overflows float32 to inf (NaN probabilities).
+        return self.temperature < _GREEDY_EPSILON

@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 
-from kvservice.async_engine import EngineDeadError
+from kvservice.async_engine import EngineDeadError, QueueFull
 from kvservice.connector.transfer_registry import StagingExhausted, TransferDenied, TransferNotFound
 
 
@@ -25,6 +25,7 @@ class Overloaded(Exception):
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (StagingExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (TransferDenied, grpc.StatusCode.PERMISSION_DENIED),
     (TransferNotFound, grpc.StatusCode.NOT_FOUND),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),

@@ -28,8 +28,13 @@ SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 class GrpcServer:
-    def __init__(self, service_names: Sequence[str], credentials: grpc.ServerCredentials | None = None) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+    def __init__(
+        self,
+        service_names: Sequence[str],
+        credentials: grpc.ServerCredentials | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
         # The asyncio servicer: a Watch stream ends with its RPC (the thread-pool one
         # blocks a worker thread forever, and with it the process's exit).
         self.health = HealthServicer()

@@ -18,8 +18,11 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import grpc
+
 from kvservice.client.client import KVServiceClient
 from kvservice.process_env import WORKER_ENV
+from kvservice.tls import AUTH_TOKEN_ENV, TLSFiles, add_tls_arguments
 
 _READY = re.compile(r"listening on (\S+:\d+)")
 _HTTP = re.compile(r"http on (\S+:\d+)")
@@ -54,6 +57,8 @@ class LocalCluster:
     colocated: bool = False  # one `--role both` worker instead of the P/D pair and proxy
     colocated_cores: Sequence[int] | None = None
     proxy_args: Sequence[str] = ()
+    # The readiness probe's channel: set it when the children serve TLS (their flags go in worker_args/proxy_args).
+    client_credentials: grpc.ChannelCredentials | None = None
     startup_timeout: float = 120.0
     grace_period: float = 10.0
     children: list[ChildProcess] = field(default_factory=list)
@@ -92,7 +97,7 @@ class LocalCluster:
                 proxy_cmd += ["--prefill", *self.prefill_addresses]
             proxy_cmd += ["--decode", *self.decode_addresses]
             self.address = (await self._spawn("proxy", proxy_cmd, None)).address
-        async with KVServiceClient(self.address) as client:
+        async with KVServiceClient(self.address, self.client_credentials) as client:
             await client.wait_until_serving(self.startup_timeout)
 
     async def _spawn(self, name: str, cmd: list[str], cores: Sequence[int] | None) -> ChildProcess:
@@ -161,6 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="the proxy's port (default: 8000; 0 lets the OS pick)")
     parser.add_argument("--http-port", type=int, default=None, help="the proxy's OpenAI-compatible HTTP API on this port (default: off)")
     parser.add_argument("--metrics-port", type=int, default=None, help="the proxy's Prometheus /metrics on this port; every worker gets one the OS picks (default: off)")
+    add_tls_arguments(parser)
     parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker")
 
 
@@ -172,13 +178,21 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:
-    proxy_args: list[str] = []
+    tls = TLSFiles.from_args(args)
+    proxy_args: list[str] = [*tls.to_args()]
+    worker_args = [*worker_args, *tls.to_args()]
+    if args.auth_token:
+        # Through the environment, not argv (which `ps` shows): the proxy reads it from there.
+        os.environ[AUTH_TOKEN_ENV] = args.auth_token
     if args.http_port is not None:
         proxy_args += ["--http-port", str(args.http_port), "--served-model-name", args.model]
     if args.metrics_port is not None:
         proxy_args += ["--metrics-port", str(args.metrics_port)]
         worker_args = [*worker_args, "--metrics-port", "0"]
-    cluster = LocalCluster(args.model, args.num_prefill, args.num_decode, args.port, worker_args, proxy_args=proxy_args)
+    cluster = LocalCluster(
+        args.model, args.num_prefill, args.num_decode, args.port, worker_args, proxy_args=proxy_args,
+        client_credentials=tls.channel_credentials(),
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

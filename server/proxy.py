@@ -108,6 +108,7 @@ class ProxyService(pb_grpc.GenerationServicer):
         self, prefill_worker: WorkerHandle, decode_worker: WorkerHandle, inner: pb.GenerateRequest
     ) -> AsyncIterator[pb.GenerateResponse]:
         token = secrets.token_bytes(32)
+        is_pulled = False
         decode_call = decode_worker.stub.Decode(
             pb.DecodeRequest(
                 request=inner,
@@ -115,16 +116,26 @@ class ProxyService(pb_grpc.GenerationServicer):
             )
         )
         prefill = asyncio.ensure_future(prefill_worker.stub.Prefill(pb.PrefillRequest(request=inner, transfer_token=token)))
+        decode_stream = decode_call.__aiter__()
+        # The Prefill call has no deadline of its own: when its worker is cut off, the decode
+        # worker's pull times out, it recomputes, and its first token ends the wait instead.
+        next_decode = asyncio.ensure_future(_next_or_none(decode_stream))
         try:
             first: pb.PrefillResponse | None = None
-            try:
-                first = await prefill
-            except grpc.aio.AioRpcError as e:
-                if e.code() in _CLIENT_ERRORS:
-                    raise
-                # The decode worker's pull fails too, and it recomputes: keep streaming from it.
-                self._note_failure(self.prefill, prefill_worker, e)
-                logger.warning("request %s: prefill on %s failed (%s); the decode worker recomputes", inner.request_id, prefill_worker.address, e.code().name)
+            await asyncio.wait({prefill, next_decode}, return_when=asyncio.FIRST_COMPLETED)
+            if not prefill.done():
+                # Left running (cancelled only if still pending when the request ends): cancelling
+                # a prefill that is about to return would fail a transfer the decode worker holds.
+                logger.info("request %s: the decode worker answered before the prefill on %s", inner.request_id, prefill_worker.address)
+            else:
+                try:
+                    first = prefill.result()
+                except grpc.aio.AioRpcError as e:
+                    if e.code() in _CLIENT_ERRORS:
+                        raise
+                    # The decode worker's pull fails too, and it recomputes: keep streaming from it.
+                    self._note_failure(self.prefill, prefill_worker, e)
+                    logger.warning("request %s: prefill on %s failed (%s); the decode worker recomputes", inner.request_id, prefill_worker.address, e.code().name)
             if first is not None:
                 yield pb.GenerateResponse(
                     request_id=inner.request_id,
@@ -137,22 +148,36 @@ class ProxyService(pb_grpc.GenerationServicer):
                     return
             skip_first = first is not None
             try:
-                async for response in decode_call:
+                response = await next_decode
+                is_pulled = response is not None  # the decode worker emitted a token: it has the KV
+                while response is not None:
                     if skip_first and response.token_ids:
                         skip_first = False
                         response = _without_first_token(response)
-                        if not response.token_ids and response.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
-                            continue
-                    yield response
+                        if response.token_ids or response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                            yield response
+                    else:
+                        yield response
+                    response = await _next_or_none(decode_stream)
             except grpc.aio.AioRpcError as e:
                 self._note_failure(self.decode, decode_worker, e)
                 raise
         finally:
             decode_call.cancel()
+            if not next_decode.done():
+                next_decode.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await next_decode
             if not prefill.done():
                 prefill.cancel()
             with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
                 await prefill
+            if not is_pulled:
+                # Nobody will pull this transfer now: free the prefill's staging at once.
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await prefill_worker.stub.ReleaseKV(
+                        pb.ReleaseKVRequest(request_id=inner.request_id, transfer_token=token), timeout=2.0
+                    )
 
     def _note_failure(self, pool: WorkerPool, worker: WorkerHandle, error: grpc.aio.AioRpcError) -> None:
         if error.code() in _WORKER_DOWN:
@@ -187,6 +212,14 @@ def _add_transfer_stats(total: pb.KVTransferStats, part: pb.KVTransferStats) -> 
     for name in ("num_transfers", "num_failed_transfers", "num_chunks", "num_bytes", "total_seconds",
                  "staging_bytes_in_use", "staging_bytes_capacity", "num_staged_transfers"):
         setattr(total, name, getattr(total, name) + getattr(part, name))
+
+
+async def _next_or_none(stream: AsyncIterator[pb.GenerateResponse]) -> pb.GenerateResponse | None:
+    """The stream's next response, or None at its end."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
 
 
 def _without_first_token(response: pb.GenerateResponse) -> pb.GenerateResponse:

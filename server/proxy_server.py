@@ -6,15 +6,18 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import sys
 
 from aiohttp import web
 from grpc_health.v1 import health_pb2
 
+from kvservice.server.auth import BearerTokenInterceptor
 from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, configure_logging, run_event_loop
 from kvservice.server.metrics import ServerMetrics, metrics_app, metrics_handler, start_http
 from kvservice.server.openai_front import OpenAIFront
 from kvservice.server.proxy import ProxyService
 from kvservice.server.worker_pool import WorkerPool
+from kvservice.tls import TLSFiles, add_tls_arguments
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -32,22 +35,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default="kvservice", help="the model name the HTTP API answers to (default: kvservice)")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 lets the OS pick (default: off)")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    add_tls_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
+    try:
+        tls = TLSFiles.from_args(args)
+        tls.server_credentials()  # unreadable files fail here, with exit code 2
+    except ValueError as e:
+        print(f"kvservice proxy: error: {e}", file=sys.stderr)
+        return 2
     return run_event_loop(serve(args))
 
 
 async def serve(args: argparse.Namespace) -> int:
-    prefill = WorkerPool(args.prefill)
-    decode = WorkerPool(args.decode)
+    # The proxy presents the same certificate to its workers as to its clients.
+    tls = TLSFiles.from_args(args)
+    channel_credentials = tls.channel_credentials()
+    prefill = WorkerPool(args.prefill, channel_credentials)
+    decode = WorkerPool(args.decode, channel_credentials)
     metrics = ServerMetrics("proxy")
     assert metrics.workers_healthy is not None
     metrics.workers_healthy.labels("prefill").set_function(lambda: prefill.num_healthy)
     metrics.workers_healthy.labels("decode").set_function(lambda: decode.num_healthy)
     service = ProxyService(prefill, decode, metrics)
-    server = GrpcServer([SERVICE_NAMES["generation"]])
+    interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
+    server = GrpcServer([SERVICE_NAMES["generation"]], tls.server_credentials(), interceptors)
     pb_grpc.add_GenerationServicer_to_server(service, server.server)
     port = server.bind(args.host, args.port)
     await server.set_serving(False)  # until a decode worker answers its health check

@@ -32,7 +32,9 @@ from kvservice.server.decode_service import DecodeWorkerService
 from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, configure_logging, run_event_loop
 from kvservice.server.metrics import ServerMetrics, metrics_app, start_http
 from kvservice.server.prefill_service import PrefillWorkerService
+from kvservice.server.auth import BearerTokenInterceptor
 from kvservice.server.stats import engine_stats
+from kvservice.tls import TLSFiles, add_tls_arguments
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
@@ -61,6 +63,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transfer-timeout", type=float, default=120.0, help="decode side: deadline of one KV pull, seconds (default: 120)")
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)")
     parser.add_argument(
+        "--max-queued-requests", type=int, default=1024,
+        help="admission control: requests not yet running (incl. waiting for remote KV) past which new ones get RESOURCE_EXHAUSTED (default: 1024)",
+    )
+    parser.add_argument(
         "--draft-model", default=None,
         help="speculative decoding: a draft model with the same vocabulary ('tiny' or a directory); "
         "decode and colocated workers use it, a prefill worker ignores it (decode workers recompute the draft's KV)",
@@ -76,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 lets the OS pick (default: 0)")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 lets the OS pick (default: off)")
     add_engine_arguments(parser)
+    add_tls_arguments(parser)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -104,41 +111,50 @@ def main(args: argparse.Namespace) -> int:
         config = engine_config(args)
         model_config = load_model_config(args.model)
         layout = KVCacheLayout.for_model(model_config, config.block_size, resolve_dtype(config.dtype, model_config))
+        if args.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
+        tls = TLSFiles.from_args(args)
+        tls.server_credentials()  # unreadable files fail here, before the model loads
     except (ModelLoadError, ValueError) as e:
         print(f"kvservice serve: error: {e}", file=sys.stderr)
         return 2
     try:
-        return run_event_loop(serve(args, config, layout))
+        return run_event_loop(serve(args, config, layout, tls))
     except ModelLoadError as e:
         print(f"kvservice serve: error: {e}", file=sys.stderr)
         return 2
 
 
-async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheLayout) -> int:
+async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheLayout, tls: TLSFiles) -> int:
     registry: TransferRegistry | None = None
     connector: KVConnectorBase | None = None
     if args.role == "prefill":
         registry = TransferRegistry(StagingPool(args.kv_staging_mib << 20, pin_memory=config.device.startswith("cuda")), layout, args.kv_lease_seconds)
         connector = PrefillKVConnector(registry)
     elif args.role == "decode":
-        connector = DecodeKVConnector(layout, transfer_timeout=args.kv_transfer_timeout)
+        connector = DecodeKVConnector(
+            layout, transfer_timeout=args.kv_transfer_timeout, channel_credentials=tls.channel_credentials()
+        )
     engine = await asyncio.to_thread(LLMEngine, args.model, config, connector)
-    async_engine = AsyncLLMEngine(engine)
+    async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_queued_requests)
     if isinstance(connector, DecodeKVConnector):
         connector.on_load_done = async_engine.wake
     async_engine.start()
 
     metrics = ServerMetrics(args.role)
     transfer_service: KVTransferService | None = None
+    credentials = tls.server_credentials()
     if args.role == "both":
-        server = GrpcServer([SERVICE_NAMES["generation"]])
+        # Only a colocated worker serves the client API, so only it checks the bearer token.
+        interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
+        server = GrpcServer([SERVICE_NAMES["generation"]], credentials, interceptors)
         pb_grpc.add_GenerationServicer_to_server(ColocatedGenerationService(async_engine, metrics=metrics), server.server)
     elif args.role == "decode":
-        server = GrpcServer([SERVICE_NAMES["worker"]])
+        server = GrpcServer([SERVICE_NAMES["worker"]], credentials)
         pb_grpc.add_WorkerServicer_to_server(DecodeWorkerService(async_engine, metrics=metrics), server.server)
     else:
         assert registry is not None
-        server = GrpcServer([SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]])
+        server = GrpcServer([SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], credentials)
         pb_grpc.add_WorkerServicer_to_server(PrefillWorkerService(async_engine, registry, metrics=metrics), server.server)
         transfer_service = KVTransferService(registry)
         server.server.add_generic_rpc_handlers([transfer_service.handler()])

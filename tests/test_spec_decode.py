@@ -177,3 +177,34 @@ def test_decode_worker_with_a_draft_recomputes_the_draft_kv(
     assert tokens == plain
     assert engine.num_free_blocks == engine.num_blocks
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+async def test_disaggregated_speculative_greedy_equals_plain_and_frees_everything(
+    models: tuple[pathlib.Path, pathlib.Path],
+) -> None:
+    """1P1D with a draft model on the workers: the decode worker recomputes the draft's KV
+    after the pull and speculates; the output equals plain greedy; every block is freed."""
+    from kvservice.client.client import KVServiceClient
+    from kvservice.server.launcher import LocalCluster
+    from kvservice.v1 import kvservice_pb2 as pb
+    from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
+
+    target, draft = models
+    prompts = random_prompts([7, 33], seed=11)
+    plain = LLM(str(target), **ENGINE).generate(prompts, GREEDY)
+    worker_args = ["--num-blocks", "64", "--num-threads", "1", "--draft-model", str(draft), "--num-speculative-tokens", "3"]
+    async with LocalCluster(str(target), 1, 1, worker_args=worker_args) as cluster:
+        async with KVServiceClient(cluster.address) as client:
+            for prompt, expected in zip(prompts, plain):
+                out = await client.complete(prompt, max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True)
+                assert out.token_ids == expected.token_ids
+            decode_stats = await client.stats()
+        decode = next(w.stats for w in decode_stats.workers if w.stats.role == "decode")
+        assert decode.spec_decode.num_draft_tokens > 0  # the decode worker did speculate
+        assert decode.kv_receiving.num_transfers == len(prompts)  # and pulled, not recomputed
+        for address in cluster.prefill_addresses + cluster.decode_addresses:
+            import grpc
+
+            async with grpc.aio.insecure_channel(address) as channel:
+                stats = await pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=10)
+            assert stats.num_blocks_free == stats.num_blocks_total

@@ -8,6 +8,7 @@ with one copy out of the staging buffer), which are still valid `KVChunk` messag
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -31,6 +32,10 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
+# Test hook, never for production: with KVSERVICE_FAULT_CORRUPT_CHUNK_EVERY=N in a prefill
+# worker's environment, one byte of every Nth chunk's payload is flipped after its checksum
+# is computed, so the decode side must reject it (tests/test_faults.py).
+FAULT_CORRUPT_CHUNK_EVERY = "KVSERVICE_FAULT_CORRUPT_CHUNK_EVERY"
 
 
 class KVTransferService:
@@ -40,6 +45,7 @@ class KVTransferService:
         self.stats = TransferStats()
         layout = registry.layout
         self._dtype = wire.dtype_name(layout.dtype)
+        self._corrupt_every = int(os.environ.get(FAULT_CORRUPT_CHUNK_EVERY, "0"))
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -90,7 +96,7 @@ class KVTransferService:
             chunks, state = self.registry.snapshot(transfer, num_sent)
             for chunk in chunks:
                 payload = memoryview(buffer[chunk.offset : chunk.offset + chunk.num_bytes].numpy())
-                yield wire.encode_chunk(
+                frame = wire.encode_chunk(
                     request_id=transfer.request_id,
                     layer=chunk.layer,
                     first_block=chunk.first_block,
@@ -99,6 +105,9 @@ class KVTransferService:
                     shape=layout.blocks_shape(chunk.num_blocks),
                     payload=payload,
                 )
+                if self._corrupt_every > 0 and (self.stats.num_chunks + 1) % self._corrupt_every == 0:
+                    frame = _flip_last_byte(frame)  # the payload ends the frame
+                yield frame
                 num_sent += 1
                 num_bytes += chunk.num_bytes
                 self.stats.num_chunks += 1
@@ -121,6 +130,11 @@ class KVTransferService:
                     await asyncio.wait_for(changed.wait(), self.registry.lease_seconds / 3)
                 except TimeoutError:
                     pass
+
+
+def _flip_last_byte(frame: bytes) -> bytes:
+    """The fault hook's corruption: the frame with its last (payload) byte inverted."""
+    return frame[:-1] + bytes([frame[-1] ^ 0xFF])
 
 
 def _layout_mismatch(request: pb.PullKVRequest, layout: KVCacheLayout, dtype: str) -> str | None:

@@ -209,8 +209,13 @@ class TransferRegistry:
         its staging once nothing holds it. Returns whether such a transfer was staged."""
         with self._lock:
             transfer = self._transfers.get(request_id)
-            if transfer is None or not hmac.compare_digest(transfer.token, token):
+            if transfer is not None and not hmac.compare_digest(transfer.token, token):
                 return False
+        if transfer is None:
+            # Not registered (yet, or ever): a pull that is waiting for it must not wait out
+            # its registration deadline. A later registration clears this.
+            self.reject(request_id, "released by the router before it was registered")
+            return False
         self.fail(request_id, "released: the router gave this transfer up")
         return True
 

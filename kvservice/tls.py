@@ -1,0 +1,91 @@
+"""TLS and mutual TLS for every channel, and the client API's bearer token: built once here.
+
+Every process takes the same three flags: `--tls-cert`/`--tls-key` are its own identity
+(what a server presents, and what it presents as a client of another server), `--tls-ca`
+the authority that signs its peers. A server given `--tls-ca` requires and verifies a
+client certificate (mutual TLS); a channel given `--tls-ca` verifies the server against
+it (without it, against the system roots). The bearer token (`--auth-token`, or the
+environment variable `KVSERVICE_AUTH_TOKEN`) guards the client API only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+from dataclasses import dataclass
+
+import grpc
+
+AUTH_TOKEN_ENV = "KVSERVICE_AUTH_TOKEN"
+
+
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    """Paths of PEM files; all None means plaintext."""
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TLSFiles:
+        return cls(args.tls_cert, args.tls_key, args.tls_ca)
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.cert is not None or self.ca is not None
+
+    def to_args(self) -> list[str]:
+        """The flags that give a child process the same files."""
+        flags = []
+        for flag, path in (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-ca", self.ca)):
+            if path is not None:
+                flags += [flag, path]
+        return flags
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """None without a certificate; with `ca`, clients must present a certificate it signed."""
+        if self.cert is None or self.key is None:
+            if self.ca is not None:
+                raise ValueError("--tls-ca on a server needs --tls-cert and --tls-key")
+            return None
+        root = _read(self.ca) if self.ca is not None else None
+        return grpc.ssl_server_credentials(
+            [(_read(self.key), _read(self.cert))], root_certificates=root, require_client_auth=root is not None
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """None when TLS is off; otherwise verify the server by `ca` and present `cert` if given."""
+        if not self.is_enabled:
+            return None
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca) if self.ca is not None else None,
+            private_key=_read(self.key) if self.key is not None else None,
+            certificate_chain=_read(self.cert) if self.cert is not None else None,
+        )
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser, *, with_auth_token: bool = True) -> None:
+    parser.add_argument("--tls-cert", default=None, metavar="PEM", help="this process's certificate chain (enables TLS; needs --tls-key)")
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    parser.add_argument(
+        "--tls-ca", default=None, metavar="PEM",
+        help="CA that signs the peers: servers then require client certificates (mutual TLS), clients verify servers by it",
+    )
+    if with_auth_token:
+        parser.add_argument(
+            "--auth-token", default=os.environ.get(AUTH_TOKEN_ENV), metavar="TOKEN",
+            help=f"bearer token of the client API (default: ${AUTH_TOKEN_ENV}; unset: no token)",
+        )
+
+
+def _read(path: str) -> bytes:
+    try:
+        return pathlib.Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
