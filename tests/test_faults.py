@@ -152,7 +152,9 @@ async def test_prefill_killed_with_transfers_in_flight_recomputes_and_reroutes()
     max_tokens = 8
     expected = reference(prompts, max_tokens)
     expected_later = reference(later, max_tokens)
-    async with cluster(num_prefill=2, num_decode=1) as c:
+    # One request at a time on the decode side: later transfers stay staged on the prefill
+    # workers until their turn, so there is staged KV to catch when the kill comes.
+    async with cluster(num_prefill=2, num_decode=1, worker_args=(*BASE_WORKER_ARGS, "--max-num-seqs", "1")) as c:
         victim, survivor = c.prefill_addresses
         decode = c.decode_addresses[0]
         async with KVServiceClient(c.address) as client:
@@ -249,7 +251,9 @@ async def test_staging_pool_stays_within_bound_under_a_slow_decode_consumer() ->
     prompts = random_prompts(10, 200, seed=5)
     max_tokens = 24
     expected = reference(prompts, max_tokens)
-    worker_args = (*BASE_WORKER_ARGS, "--kv-staging-mib", "1", "--max-num-seqs", "1")  # decode: one at a time
+    # 16 blocks hold one 200-token request (13 blocks + output): the decode worker can take
+    # one transfer at a time, so the others stay staged on the prefill worker, up to its bound.
+    worker_args = (*BASE_WORKER_ARGS, "--kv-staging-mib", "1", "--max-num-seqs", "1", "--num-blocks", "16")
     async with cluster(num_prefill=1, num_decode=1, worker_args=worker_args) as c:
         prefill = c.prefill_addresses[0]
         peak = 0
@@ -267,7 +271,7 @@ async def test_staging_pool_stays_within_bound_under_a_slow_decode_consumer() ->
             finally:
                 for t in tasks:
                     t.cancel()
-        assert capacity == 1 << 20 and peak > 0
+        assert capacity == 1 << 20 and peak > 0, (peak, [type(r).__name__ if isinstance(r, BaseException) else len(r) for r in results])
         for result, want in zip(results, expected):
             if isinstance(result, grpc.aio.AioRpcError):
                 assert result.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, result
