@@ -152,9 +152,9 @@ async def test_prefill_killed_with_transfers_in_flight_recomputes_and_reroutes()
     max_tokens = 8
     expected = reference(prompts, max_tokens)
     expected_later = reference(later, max_tokens)
-    # One request at a time on the decode side: later transfers stay staged on the prefill
-    # workers until their turn, so there is staged KV to catch when the kill comes.
-    async with cluster(num_prefill=2, num_decode=1, worker_args=(*BASE_WORKER_ARGS, "--max-num-seqs", "1")) as c:
+    # The decode cache holds one request (13 of 16 blocks) at a time: later transfers stay
+    # staged on the prefill workers until their turn, so there is staged KV when the kill comes.
+    async with cluster(num_prefill=2, num_decode=1, worker_args=(*BASE_WORKER_ARGS, "--num-blocks", "16")) as c:
         victim, survivor = c.prefill_addresses
         decode = c.decode_addresses[0]
         async with KVServiceClient(c.address) as client:

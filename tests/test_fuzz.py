@@ -46,6 +46,9 @@ class Servers:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
+        # grpc.aio calls are created outside the loop (hypothesis is synchronous) and look
+        # the loop up: make it this thread's current loop, whatever earlier tests left.
+        asyncio.set_event_loop(self.loop)
         self.colocated = LocalCluster("tiny", colocated=True, worker_args=WORKER_ARGS, grace_period=1)
         # Only its spawn and stop are used: a prefill worker alone, no proxy.
         self.prefill = LocalCluster("tiny", worker_args=WORKER_ARGS, grace_period=1)
@@ -76,6 +79,7 @@ def servers() -> Iterator[Servers]:
         s.run(s.prefill.stop())
         s.run(s.colocated.stop())
         s.loop.close()
+        asyncio.set_event_loop(None)
 
 
 async def _code(call: Any) -> grpc.StatusCode:
