@@ -1,4 +1,5 @@
-"""Streaming a request through an `AsyncLLMEngine` as protobuf responses; shared by the services."""
+"""The client API's two forms over one stream of responses; shared by the colocated
+worker and the proxy, which differ only in where the responses come from."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
+
 from kvservice.async_engine import AsyncLLMEngine
 from kvservice.sampling_params import SamplingParams
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.server.convert import response_from_output
-from kvservice.server.errors import RequestFailed
+from kvservice.server.errors import RequestFailed, abort_with
+from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 
 def new_request_id() -> str:
@@ -29,3 +33,36 @@ async def stream_responses(
         if out.error is not None:
             raise RequestFailed(out.error)
         yield response_from_output(out, out.new_token_ids, out.new_text)
+
+
+def merge_into_complete(result: pb.CompleteResponse, response: pb.GenerateResponse) -> None:
+    result.request_id = response.request_id
+    result.token_ids.extend(response.token_ids)
+    result.text += response.text
+    result.num_prompt_tokens = response.num_prompt_tokens
+    if response.finish_reason:
+        result.finish_reason = response.finish_reason
+
+
+class StreamingGenerationService(pb_grpc.GenerationServicer):
+    """`Generate` streams `responses(request)`; `Complete` gathers them. Errors become
+    status codes in one place. Subclasses implement `responses` and `Stats`."""
+
+    def responses(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        raise NotImplementedError
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for response in self.responses(request):
+                yield response
+        except Exception as e:
+            await abort_with(context, e)
+
+    async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
+        result = pb.CompleteResponse()
+        try:
+            async for response in self.responses(request):
+                merge_into_complete(result, response)
+        except Exception as e:
+            await abort_with(context, e)
+        return result

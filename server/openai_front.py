@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from kvservice.server.colocated_service import merge_into_complete
+from kvservice.server.generation import merge_into_complete
 from kvservice.server.errors import message_for, status_for
 from kvservice.server.generation import new_request_id
 from kvservice.server.proxy import ProxyService
@@ -104,7 +104,7 @@ class OpenAIFront:
         except Exception as e:
             return error_response(e, headers)
         meta = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()), "model": self.model_name}
-        responses = self.service.generate(generate_request)
+        responses = self.service.responses(generate_request)
         try:
             # Everything up to the first chunk (validation, routing, the prefill) fails
             # with a proper HTTP status, before a stream is opened.

@@ -18,13 +18,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvservice.server.colocated_service import merge_into_complete
-from kvservice.server.errors import NoWorkerAvailable, abort_with
-from kvservice.server.generation import new_request_id
+from kvservice.server.errors import NoWorkerAvailable
+from kvservice.server.generation import StreamingGenerationService, new_request_id
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.worker_pool import WorkerHandle, WorkerPool
 from kvservice.v1 import kvservice_pb2 as pb
-from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +32,7 @@ _CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE
 _WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE}
 
 
-class ProxyService(pb_grpc.GenerationServicer):
+class ProxyService(StreamingGenerationService):
     def __init__(self, prefill: WorkerPool, decode: WorkerPool, metrics: ServerMetrics | None = None) -> None:
         self.prefill = prefill
         self.decode = decode
@@ -42,30 +40,11 @@ class ProxyService(pb_grpc.GenerationServicer):
         self.num_requests = 0
         self.num_degraded = 0
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        try:
-            async for response in self._generate(request):
-                yield response
-        except Exception as e:
-            await abort_with(context, e)
-
-    async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
-        result = pb.CompleteResponse()
-        try:
-            async for response in self._generate(request):
-                merge_into_complete(result, response)
-        except Exception as e:
-            await abort_with(context, e)
-        return result
-
-    def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        """The routing path of `Generate`, for other fronts (the OpenAI-compatible HTTP one).
+    async def responses(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """The routing path of `Generate`, also used by the OpenAI-compatible HTTP front.
 
         Errors raise (map them with `errors.status_for`); closing the iterator early
         cancels the request on its workers."""
-        return self._generate(request)
-
-    async def _generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         inner = pb.GenerateRequest()
         inner.CopyFrom(request)
         if not inner.request_id:
