@@ -10,6 +10,7 @@ timed part) so a run that delivered garbage fails instead of reporting a number.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import resource
 import socket
 import time
@@ -32,6 +33,12 @@ class TransferResult:
     gb_per_s: float
     sender_peak_rss_bytes: int
     receiver_peak_rss_bytes: int
+
+
+def pin(process: mp.process.BaseProcess, core: int | None) -> None:
+    """Pin a started child process to one core (the two ends of a transfer on different cores)."""
+    if core is not None and process.pid is not None:
+        os.sched_setaffinity(process.pid, {core})
 
 
 def peak_rss_bytes() -> int:
@@ -122,12 +129,14 @@ def tcp_transfer(
     num_threads: int = 1,
     timeout_s: float = 120.0,
     seed: int = 0,
+    cores: tuple[int, int] | None = None,
 ) -> TransferResult:
     """Ship `num_bytes` of a source tensor to a destination tensor in another process.
 
     Raises RuntimeError when the destination's checksum differs from the source's and
     TimeoutError when a side does not report within `timeout_s`. `num_threads` is each
     process's torch thread count (1 by default: spinning OpenMP threads starve I/O).
+    `cores`: pin the sender to the first core and the receiver to the second.
     """
     if num_bytes <= 0 or chunk_bytes <= 0:
         raise ValueError(f"num_bytes and chunk_bytes must be positive: {num_bytes}, {chunk_bytes}")
@@ -142,6 +151,7 @@ def tcp_transfer(
     sender: mp.process.BaseProcess | None = None
     try:
         receiver.start()
+        pin(receiver, cores[1] if cores else None)
         (port,) = _expect(recv_conn, timeout_s, "port from the receiver")
         sender = ctx.Process(
             target=_sender,
@@ -149,6 +159,7 @@ def tcp_transfer(
             daemon=True,
         )
         sender.start()
+        pin(sender, cores[0] if cores else None)
         seconds, received_crc, receiver_rss = _expect(recv_conn, timeout_s, "receiver's result")
         sent_crc, sender_rss = _expect(send_conn, timeout_s, "result from the sender")
     finally:

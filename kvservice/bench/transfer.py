@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvservice.bench.tcp_baseline import MiB, peak_rss_bytes, tcp_transfer
+from kvservice.bench.tcp_baseline import MiB, peak_rss_bytes, pin, tcp_transfer
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
 from kvservice.process_env import WORKER_ENV
 from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
@@ -254,7 +254,7 @@ def _worker_environment() -> Iterator[None]:
 class _GrpcPair:
     """A prefill and a decode process, kept up across repeats like real workers."""
 
-    def __init__(self, setup: _Setup) -> None:
+    def __init__(self, setup: _Setup, cores: tuple[int, int] | None = None) -> None:
         self.setup = setup
         ctx = mp.get_context("spawn")
         self._prefill_conn, prefill_child = ctx.Pipe()
@@ -265,11 +265,13 @@ class _GrpcPair:
             self._prefill = ctx.Process(target=_prefill_process, args=(prefill_child, setup), name="prefill", daemon=True)
             self._processes.append(self._prefill)
             self._prefill.start()
+            pin(self._prefill, cores[0] if cores else None)
             port, self.checksums = _expect(self._prefill_conn, self._prefill, "ready", setup.timeout_s)
             address = f"127.0.0.1:{port}"
             self._decode = ctx.Process(target=_decode_process, args=(decode_child, setup, address), name="decode", daemon=True)
             self._processes.append(self._decode)
             self._decode.start()
+            pin(self._decode, cores[1] if cores else None)
             _expect(self._decode_conn, self._decode, "ready", setup.timeout_s)
         except BaseException:
             self.close()
@@ -341,6 +343,7 @@ def run_transfer_bench(
     seed: int = 0,
     timeout_s: float = 120.0,
     log: Callable[[str], None] = print,
+    cores: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Ship `size_mib` of KV `repeats` times each way, alternating; the report as a dict.
 
@@ -353,11 +356,11 @@ def run_transfer_bench(
     grpc_runs: list[GrpcTransfer] = []
     tcp_runs = []
     with _worker_environment():
-        pair = _GrpcPair(setup)
+        pair = _GrpcPair(setup, cores)
         try:
             for i in range(repeats):
                 grpc_runs.append(pair.transfer())
-                tcp_runs.append(tcp_transfer(setup.num_bytes, chunk_bytes=MiB, timeout_s=timeout_s, seed=seed + i))
+                tcp_runs.append(tcp_transfer(setup.num_bytes, chunk_bytes=MiB, timeout_s=timeout_s, seed=seed + i, cores=cores))
                 log(
                     f"  run {i + 1}/{repeats}: gRPC {grpc_runs[-1].gb_per_s:.2f} GB/s "
                     f"({grpc_runs[-1].seconds * 1e3:.1f} ms), TCP {tcp_runs[-1].gb_per_s:.2f} GB/s "
@@ -418,6 +421,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the source KV (default 0)")
     parser.add_argument("--timeout", type=_positive(float), default=120.0,
                         help="seconds any one step may take before the run fails (default 120)")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="do not pin the sender and the receiver (gRPC and TCP alike) to two different cores")
     parser.add_argument("--json", action="store_true", help="end with one line of JSON: the whole report")
 
 
@@ -427,8 +432,11 @@ def _mib(num_bytes: int) -> str:
 
 def main(args: argparse.Namespace) -> int:
     print(f"KV transfer, 8B-like layout, {args.size_mib:g} MiB, {args.repeats} run(s) each way:")
+    available = sorted(os.sched_getaffinity(0))
+    cores = (available[0], available[1]) if args.pin and len(available) >= 2 else None
     report = run_transfer_bench(
-        args.size_mib, args.repeats, is_reversed=args.reversed_blocks, seed=args.seed, timeout_s=args.timeout
+        args.size_mib, args.repeats, is_reversed=args.reversed_blocks, seed=args.seed, timeout_s=args.timeout,
+        cores=cores,
     )
     print(
         f"gRPC PullKV: best {report['grpc_gbps']:.2f} GB/s, median {report['grpc_gbps_median']:.2f}\n"
