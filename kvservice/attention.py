@@ -79,8 +79,9 @@ def _decode_attention(q: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, 
     batch = slots.shape[0]
     num_queries = q.shape[0] // batch
     _, num_heads, head_dim = q.shape
-    k_ctx = flat[0][slots].permute(0, 2, 3, 1).unsqueeze(2)  # [B, Hkv, 1, D, L]
-    v_ctx = flat[1][slots].transpose(1, 2).unsqueeze(2)  # [B, Hkv, 1, L, D]
+    kv_ctx = flat[:, slots]  # [2, B, L, Hkv, D]: K and V gathered in one indexing op
+    k_ctx = kv_ctx[0].permute(0, 2, 3, 1).unsqueeze(2)  # [B, Hkv, 1, D, L]
+    v_ctx = kv_ctx[1].transpose(1, 2).unsqueeze(2)  # [B, Hkv, 1, L, D]
     num_kv_heads = k_ctx.shape[1]
     # Group the query heads that share a KV head: [B, Hkv, G, Q, D].
     qg = q.view(batch, num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim).permute(0, 2, 3, 1, 4)

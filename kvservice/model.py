@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama 2/3, Qwen2, Mistral) in plain PyTorch over a paged KV cache.
 
-Module names mirror Hugging Face's, so a checkpoint's state dict loads as it is.
+Module names mirror Hugging Face's, except that q/k/v and gate/up are fused into one
+matmul each (`fuse_checkpoint_weights` maps a checkpoint's state dict onto them).
 The forward takes a flat batch of tokens ([T]) from many requests; attention reads
 and writes the paged cache through `AttentionMetadata`. A KV connector, when given,
 is called around each layer: `wait_for_layer_load` before, `save_kv_layer` after.
@@ -89,9 +90,10 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        # q, k and v in one matmul (the loader concatenates the checkpoint's three).
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         # Llama's attention_bias covers o_proj too; Qwen2's biases stop at q/k/v.
         o_bias = bias and cfg.architecture == "llama"
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
@@ -105,9 +107,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         write_kv(kv_layer, k, v, meta.slot_mapping)
@@ -118,12 +121,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        # gate and up in one matmul (the loader concatenates the checkpoint's two).
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -179,3 +183,18 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
+
+
+def fuse_checkpoint_weights(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """A Hugging Face state dict with q/k/v and gate/up concatenated for the fused layers."""
+    fused = dict(state)
+    for i in range(num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for kind in ("weight", "bias"):
+            names = [f"{attn}{p}_proj.{kind}" for p in ("q", "k", "v")]
+            if all(n in fused for n in names):
+                fused[f"{attn}qkv_proj.{kind}"] = torch.cat([fused.pop(n) for n in names], dim=0)
+        names = [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"]
+        if all(n in fused for n in names):
+            fused[f"{mlp}gate_up_proj.weight"] = torch.cat([fused.pop(n) for n in names], dim=0)
+    return fused

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvservice.config import ModelConfig
-from kvservice.model import CausalLM, RotaryEmbedding
+from kvservice.model import CausalLM, RotaryEmbedding, fuse_checkpoint_weights
 from kvservice.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TINY_MODEL = "tiny"
@@ -134,6 +134,7 @@ def _hf_model(path: pathlib.Path, config: ModelConfig, max_positions: int) -> Ca
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
         state.update(load_file(str(shard)))
+    state = fuse_checkpoint_weights(state, config.num_hidden_layers)
     with torch.device("meta"):
         net = CausalLM(config, max_positions)
     result = net.load_state_dict(state, strict=False, assign=True)
