@@ -60,12 +60,18 @@ def test_streaming_bytes_never_splits_a_character(text: str) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.text(), st.integers(1, 5))
+# Text without U+FFFD itself: the check is that a split character never shows up as one.
+@given(st.text(st.characters(blacklist_characters="\ufffd")), st.integers(1, 5))
 def test_streaming_any_text_in_any_chunks(text: str, chunk: int) -> None:
     tok = ByteTokenizer()
     deltas = stream(tok, tok.encode(text), chunk)
     assert "".join(deltas) == text
     assert not any("\ufffd" in d for d in deltas)
+
+
+def test_a_real_replacement_character_streams_through() -> None:
+    tok = ByteTokenizer()
+    assert "".join(stream(tok, tok.encode("a\ufffdb"), 1)) == "a\ufffdb"
 
 
 @settings(max_examples=200, deadline=None)
