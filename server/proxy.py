@@ -33,9 +33,15 @@ _WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE}
 
 
 class ProxyService(StreamingGenerationService):
-    def __init__(self, prefill: WorkerPool, decode: WorkerPool, metrics: ServerMetrics | None = None) -> None:
+    def __init__(
+        self, prefill: WorkerPool, decode: WorkerPool, metrics: ServerMetrics | None = None, retry_decode: bool = False
+    ) -> None:
         self.prefill = prefill
         self.decode = decode
+        # When a decode worker goes away mid-request, restart a reproducible request
+        # (greedy or seeded) on another one instead of failing it with UNAVAILABLE.
+        self.retry_decode = retry_decode
+        self.num_decode_retries = 0
         self.metrics = metrics if metrics is not None else ServerMetrics("proxy")
         self.num_requests = 0
         self.num_degraded = 0
@@ -53,24 +59,47 @@ class ProxyService(StreamingGenerationService):
             if request.WhichOneof("prompt") is None:
                 raise ValueError("prompt: set either text or token_ids")
             self.num_requests += 1
-            decode_worker = self.decode.pick()
-            if decode_worker is None:
-                raise NoWorkerAvailable("no healthy decode worker")
-            prefill_worker = self.prefill.pick()
-            if prefill_worker is None:
-                self.num_degraded += 1
-            logger.info("request_id=%s routed: prefill=%s decode=%s", inner.request_id,
-                        prefill_worker.address if prefill_worker is not None else "none (degraded)", decode_worker.address)
-            with self.decode.using(decode_worker):
-                if prefill_worker is None:
-                    async for response in self._decode_only(decode_worker, inner):
+            num_sent = 0  # tokens the client already has
+            failed_decoders: set[str] = set()
+            while True:
+                skip = num_sent  # a retry starts the request over: drop what the client has
+                try:
+                    async for response in self._route(inner, failed_decoders):
+                        if skip:
+                            response, skip = _skip_tokens(response, skip)
+                            if not response.token_ids and response.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+                                continue
                         tracker.on_tokens(len(response.token_ids))
+                        num_sent += len(response.token_ids)
                         yield response
                     return
-                with self.prefill.using(prefill_worker):
-                    async for response in self._disaggregated(prefill_worker, decode_worker, inner):
-                        tracker.on_tokens(len(response.token_ids))
-                        yield response
+                except DecodeWorkerLost as lost:
+                    if not (self.retry_decode and _is_reproducible(inner)):
+                        raise lost.error from None
+                    failed_decoders.add(lost.address)
+                    self.num_decode_retries += 1
+                    logger.warning("request_id=%s: decode worker %s lost after %d tokens; retrying on another",
+                                   inner.request_id, lost.address, num_sent)
+
+    async def _route(self, inner: pb.GenerateRequest, failed_decoders: set[str]) -> AsyncIterator[pb.GenerateResponse]:
+        """One attempt: pick the workers and stream. A retry has no KV source (its decode
+        worker prefills itself): the first attempt's transfer went to the lost worker."""
+        decode_worker = self.decode.pick(exclude=failed_decoders)
+        if decode_worker is None:
+            raise NoWorkerAvailable("no healthy decode worker")
+        prefill_worker = None if failed_decoders else self.prefill.pick()
+        if prefill_worker is None:
+            self.num_degraded += 1
+        logger.info("request_id=%s routed: prefill=%s decode=%s", inner.request_id,
+                    prefill_worker.address if prefill_worker is not None else "none", decode_worker.address)
+        with self.decode.using(decode_worker):
+            if prefill_worker is None:
+                async for response in self._decode_only(decode_worker, inner):
+                    yield response
+                return
+            with self.prefill.using(prefill_worker):
+                async for response in self._disaggregated(prefill_worker, decode_worker, inner):
+                    yield response
 
     async def _decode_only(self, decode_worker: WorkerHandle, inner: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         call = decode_worker.stub.Decode(pb.DecodeRequest(request=inner))
@@ -79,6 +108,8 @@ class ProxyService(StreamingGenerationService):
                 yield response
         except grpc.aio.AioRpcError as e:
             self._note_failure(self.decode, decode_worker, e)
+            if e.code() in _WORKER_DOWN:
+                raise DecodeWorkerLost(decode_worker.address, e) from None
             raise
         finally:
             call.cancel()
@@ -140,6 +171,8 @@ class ProxyService(StreamingGenerationService):
                     response = await _next_or_none(decode_stream)
             except grpc.aio.AioRpcError as e:
                 self._note_failure(self.decode, decode_worker, e)
+                if e.code() in _WORKER_DOWN:
+                    raise DecodeWorkerLost(decode_worker.address, e) from None
                 raise
         finally:
             decode_call.cancel()
@@ -199,6 +232,35 @@ async def _next_or_none(stream: AsyncIterator[pb.GenerateResponse]) -> pb.Genera
         return await stream.__anext__()
     except StopAsyncIteration:
         return None
+
+
+class DecodeWorkerLost(Exception):
+    """The decode worker of an attempt went away (UNAVAILABLE) mid-request."""
+
+    def __init__(self, address: str, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(f"decode worker {address} lost: {error.code().name}")
+        self.address = address
+        self.error = error
+
+
+def _is_reproducible(request: pb.GenerateRequest) -> bool:
+    """Whether a restarted request emits the same tokens: greedy, or sampled with a seed."""
+    sp = request.sampling_params
+    return (sp.HasField("temperature") and sp.temperature < 1e-5) or sp.HasField("seed")
+
+
+def _skip_tokens(response: pb.GenerateResponse, skip: int) -> tuple[pb.GenerateResponse, int]:
+    """Drop up to `skip` leading tokens (the client has them); returns what is left to skip.
+    Responses carry one token each in practice; a partly kept one keeps its whole text."""
+    dropped = min(skip, len(response.token_ids))
+    if not dropped:
+        return response, skip
+    rest = pb.GenerateResponse()
+    rest.CopyFrom(response)
+    del rest.token_ids[:dropped]
+    if not rest.token_ids:
+        rest.text = ""
+    return rest, skip - dropped
 
 
 def _without_first_token(response: pb.GenerateResponse) -> pb.GenerateResponse:

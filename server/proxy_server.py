@@ -34,6 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=None, help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/models, /health) on this port; 0 lets the OS pick (default: off)")
     parser.add_argument("--served-model-name", default="kvservice", help="the model name the HTTP API answers to (default: kvservice)")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 lets the OS pick (default: off)")
+    parser.add_argument(
+        "--retry-decode", action="store_true",
+        help="when a decode worker is lost mid-request, restart greedy or seeded requests on another "
+        "decode worker (tokens the client has are not sent again) instead of failing them with UNAVAILABLE",
+    )
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
     add_tls_arguments(parser)
 
@@ -59,7 +64,7 @@ async def serve(args: argparse.Namespace) -> int:
     assert metrics.workers_healthy is not None
     metrics.workers_healthy.labels("prefill").set_function(lambda: prefill.num_healthy)
     metrics.workers_healthy.labels("decode").set_function(lambda: decode.num_healthy)
-    service = ProxyService(prefill, decode, metrics)
+    service = ProxyService(prefill, decode, metrics, retry_decode=args.retry_decode)
     interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
     server = GrpcServer([SERVICE_NAMES["generation"]], tls.server_credentials(), interceptors)
     pb_grpc.add_GenerationServicer_to_server(service, server.server)

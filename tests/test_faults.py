@@ -224,6 +224,37 @@ async def test_decode_killed_mid_generation_fails_affected_requests_and_frees_ev
         await wait_until_idle([prefill, survivor])
 
 
+async def test_decode_killed_with_retry_decode_restarts_requests_without_repeating_tokens() -> None:
+    """With --retry-decode the proxy restarts greedy requests of a lost decode worker on
+    the other one: every client still gets exactly the reference output, nothing twice."""
+    prompts = random_prompts(8, 40, seed=3)
+    max_tokens = 400
+    expected = reference(prompts, max_tokens)
+    proxy_args = (*FAST_PROXY_ARGS, "--retry-decode")
+    async with cluster(num_prefill=1, num_decode=2, proxy_args=proxy_args,
+                       worker_args=(*BASE_WORKER_ARGS, "--kv-lease-seconds", "3")) as c:
+        prefill = c.prefill_addresses[0]
+        victim, survivor = c.decode_addresses
+        async with KVServiceClient(c.address) as client:
+            streaming = asyncio.Event()
+            tasks = [asyncio.create_task(generate(client, p, max_tokens, streaming.set)) for p in prompts]
+            try:
+                async def victim_running() -> bool:
+                    return streaming.is_set() and (await worker_stats(victim)).num_running_requests > 0
+
+                await wait_for(victim_running, "decode-0 generating", 30)
+                kill(c, "decode-0")
+                results = await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+            survivor_stats = await worker_stats(survivor)
+        assert results == expected  # no request lost, no token repeated or skipped
+        # decode-0 is dead: the survivor finished every request, its own and the restarted ones.
+        assert survivor_stats.num_finished_requests == len(prompts)
+        await wait_until_idle([prefill, survivor])
+
+
 # ---------------------------------------------------------------- 3. corrupted chunk
 
 
