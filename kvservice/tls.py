@@ -11,6 +11,7 @@ environment variable `KVSERVICE_AUTH_TOKEN`) guards the client API only.
 from __future__ import annotations
 
 import argparse
+import ssl
 import os
 import pathlib
 from dataclasses import dataclass
@@ -58,6 +59,18 @@ class TLSFiles:
         return grpc.ssl_server_credentials(
             [(_read(self.key), _read(self.cert))], root_certificates=root, require_client_auth=root is not None
         )
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The same identity for an HTTPS server (the OpenAI-compatible front); None without a
+        certificate. With `ca`, clients must present a certificate it signed, as on gRPC."""
+        if self.cert is None or self.key is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert, self.key)
+        if self.ca is not None:
+            context.load_verify_locations(self.ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         """None when TLS is off; otherwise verify the server by `ca` and present `cert` if given."""

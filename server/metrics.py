@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from types import TracebackType
@@ -207,14 +208,17 @@ def metrics_app(metrics: ServerMetrics, stats: StatsSource | None = None) -> web
     return app
 
 
-async def start_http(app: web.Application, host: str, port: int, shutdown_timeout: float = 5.0) -> tuple[web.AppRunner, int]:
-    """Serve `app` on host:port (0: the OS picks); returns the runner (`await runner.cleanup()`) and the port."""
+async def start_http(
+    app: web.Application, host: str, port: int, shutdown_timeout: float = 5.0, ssl_context: ssl.SSLContext | None = None
+) -> tuple[web.AppRunner, int]:
+    """Serve `app` on host:port (0: the OS picks; HTTPS with `ssl_context`); returns the
+    runner (`await runner.cleanup()`) and the port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, reuse_port=False)
     runner = web.AppRunner(app, access_log=None)
     try:
         await runner.setup()
-        await web.SockSite(runner, sock, shutdown_timeout=shutdown_timeout).start()
+        await web.SockSite(runner, sock, shutdown_timeout=shutdown_timeout, ssl_context=ssl_context).start()
     except BaseException:
         sock.close()
         await runner.cleanup()

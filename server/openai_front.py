@@ -21,6 +21,7 @@ after a stream has started arrives as one `data: {"error": ...}` event.
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -69,11 +70,20 @@ class OpenAIError(Exception):
 class OpenAIFront:
     """The HTTP routes; `app()` builds the aiohttp application (serve it with `metrics.start_http`)."""
 
-    def __init__(self, service: ProxyService, model_name: str, is_serving: Callable[[], bool]) -> None:
+    def __init__(
+        self, service: ProxyService, model_name: str, is_serving: Callable[[], bool], auth_token: str | None = None
+    ) -> None:
         self.service = service
         self.model_name = model_name
         self.is_serving = is_serving
+        self.auth_token = auth_token  # the proxy's --auth-token guards this API too
         self.created = int(time.time())
+
+    def _is_authorized(self, request: web.Request) -> bool:
+        if not self.auth_token:
+            return True
+        given = request.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.auth_token}".encode())
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)
@@ -88,11 +98,15 @@ class OpenAIFront:
         return web.json_response({"status": "unavailable", "detail": "no healthy decode worker"}, status=503)
 
     async def models(self, request: web.Request) -> web.Response:
+        if not self._is_authorized(request):
+            return _unauthorized()
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvservice"}
         ]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        if not self._is_authorized(request):
+            return _unauthorized()
         request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
         headers = {REQUEST_ID_HEADER: request_id}
         try:
@@ -197,6 +211,12 @@ class OpenAIFront:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _unauthorized() -> web.Response:
+    body = {"error": {"message": "missing or wrong bearer token", "type": "invalid_request_error",
+                      "param": None, "code": "invalid_api_key"}}
+    return web.json_response(body, status=401)
 
 
 def _prompt(value: Any) -> str | list[int]:

@@ -76,10 +76,12 @@ async def serve(args: argparse.Namespace) -> int:
     runners: list[web.AppRunner] = []
     try:
         if args.http_port is not None:
-            front = OpenAIFront(service, args.served_model_name, lambda: decode.num_healthy > 0)
+            front = OpenAIFront(service, args.served_model_name, lambda: decode.num_healthy > 0, args.auth_token)
             app = front.app()
             app.router.add_get("/metrics", metrics_handler(metrics, None))
-            runner, http_port = await start_http(app, args.host, args.http_port, shutdown_timeout=args.grace_period)
+            runner, http_port = await start_http(
+                app, args.host, args.http_port, shutdown_timeout=args.grace_period, ssl_context=tls.ssl_context()
+            )
             runners.append(runner)
             ready_line += f"; http on {args.host}:{http_port}"
         if args.metrics_port is not None:

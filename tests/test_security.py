@@ -13,6 +13,8 @@ import secrets
 from collections.abc import AsyncIterator
 
 import grpc
+import asyncio
+
 import pytest
 import pytest_asyncio
 
@@ -103,7 +105,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TLSFiles]:
 async def cluster(pki: dict[str, TLSFiles]) -> AsyncIterator[LocalCluster]:
     tls = pki["server"].to_args()
     async with LocalCluster(
-        "tiny", num_prefill=1, num_decode=1, worker_args=[*WORKER_ARGS, *tls], proxy_args=[*tls, "--auth-token", TOKEN],
+        "tiny", num_prefill=1, num_decode=1, worker_args=[*WORKER_ARGS, *tls], proxy_args=[*tls, "--auth-token", TOKEN, "--http-port", "0"],
         client_credentials=pki["client"].channel_credentials(), grace_period=2,
     ) as c:
         yield c
@@ -223,3 +225,30 @@ async def test_kv_pull_needs_the_transfer_token(cluster: LocalCluster, pki: dict
         # Pulled once, released: a replay gets nothing (refused, or left waiting for a new registration).
         frames, code = await _pull(channel, _pull_request(request_id, token), timeout=3)
         assert frames == [] and code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+async def test_openai_front_is_https_with_mutual_tls_and_the_token(pki: dict[str, TLSFiles], cluster: LocalCluster) -> None:
+    """The HTTP front has the proxy's identity, wants a client certificate and the token."""
+    import ssl
+
+    import openai
+
+    http_address = cluster.child("proxy").http_address
+    client_files = pki["client"]
+
+    def complete(api_key: str, scheme: str = "https", with_cert: bool = True) -> str:
+        context = ssl.create_default_context(cafile=client_files.ca)
+        if with_cert:
+            context.load_cert_chain(client_files.cert, client_files.key)
+        with openai.DefaultHttpxClient(verify=context, timeout=30) as http:
+            api = openai.OpenAI(base_url=f"{scheme}://{http_address}/v1", api_key=api_key, http_client=http, max_retries=0)
+            out = api.completions.create(model="kvservice", prompt=[5, 6, 7], max_tokens=4, temperature=0)
+            return out.choices[0].text
+
+    assert await asyncio.to_thread(complete, TOKEN) is not None
+    with pytest.raises(openai.AuthenticationError):
+        await asyncio.to_thread(complete, "wrong-token")
+    with pytest.raises(openai.APIConnectionError):  # plaintext HTTP is not served
+        await asyncio.to_thread(complete, TOKEN, "http")
+    with pytest.raises(openai.APIConnectionError):  # no client certificate: the handshake fails
+        await asyncio.to_thread(complete, TOKEN, "https", False)
