@@ -467,7 +467,16 @@ async def netns_deployment() -> AsyncIterator[tuple[object, Callable[..., object
             assert await asyncio.wait_for(client.wait(), 10) == 0
             return json.loads(line)
 
-        yield pair, run_client
+        async def stats_in(role: str) -> dict[str, object]:
+            """A worker's Stats, read from inside its own namespace (`kvservice stats --json`)."""
+            ns, address = (pair.prefill_ns, prefill) if role == "prefill" else (pair.decode_ns, decode)
+            reader = await spawn(ns, "-m", "kvservice", "stats", "--target", address, "--json")
+            assert reader.stdout is not None
+            out = await asyncio.wait_for(reader.stdout.read(), 60)
+            assert await reader.wait() == 0
+            return json.loads(out.decode().strip().splitlines()[-1])
+
+        yield pair, run_client, stats_in
     finally:
         for process in processes:
             if process.returncode is None:
@@ -481,7 +490,7 @@ async def test_network_throttled_then_cut_mid_transfer_loses_no_output() -> None
     prompts = random_prompts(6, 300, seed=8)  # 300 tokens: ~600 KiB of KV each on the wire
     max_tokens = 8
     expected = reference(prompts, max_tokens)
-    async with netns_deployment() as (pair, run_client):
+    async with netns_deployment() as (pair, run_client, stats_in):
         pair.throttle("10mbit")  # type: ignore[attr-defined]
         start = time.monotonic()
         assert await run_client(prompts, max_tokens) == expected  # type: ignore[operator]
@@ -492,3 +501,15 @@ async def test_network_throttled_then_cut_mid_transfer_loses_no_output() -> None
         for result, want in zip(results, expected):
             assert result == want or result in ("UNAVAILABLE", "DEADLINE_EXCEEDED"), result
         assert sum(r == w for r, w in zip(results, expected)) > 0
+        # Link back: every block and staging byte on both sides comes back (broken pulls end
+        # by keepalive or the transfer timeout; never-pulled staging by its lease).
+        pair.set_link(True)  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 60
+        while True:
+            prefill_stats, decode_stats = await stats_in("prefill"), await stats_in("decode")  # type: ignore[operator]
+            staged = int(prefill_stats["kv_sending"].get("staging_bytes_in_use", 0))  # type: ignore[union-attr]
+            idle = all(int(s["num_blocks_free"]) == int(s["num_blocks_total"]) for s in (prefill_stats, decode_stats))
+            if idle and staged == 0:
+                break
+            assert time.monotonic() < deadline, (prefill_stats, decode_stats)
+            await asyncio.sleep(1.0)  # the lease and the keepalive run on their own clocks
