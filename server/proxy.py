@@ -107,10 +107,7 @@ class ProxyService(StreamingGenerationService):
             async for response in call:
                 yield response
         except grpc.aio.AioRpcError as e:
-            self._note_failure(self.decode, decode_worker, e)
-            if e.code() in _WORKER_DOWN:
-                raise DecodeWorkerLost(decode_worker.address, e) from None
-            raise
+            raise self._decode_error(decode_worker, e) from None
         finally:
             call.cancel()
 
@@ -170,10 +167,7 @@ class ProxyService(StreamingGenerationService):
                         yield response
                     response = await _next_or_none(decode_stream)
             except grpc.aio.AioRpcError as e:
-                self._note_failure(self.decode, decode_worker, e)
-                if e.code() in _WORKER_DOWN:
-                    raise DecodeWorkerLost(decode_worker.address, e) from None
-                raise
+                raise self._decode_error(decode_worker, e) from None
         finally:
             decode_call.cancel()
             if not next_decode.done():
@@ -190,6 +184,12 @@ class ProxyService(StreamingGenerationService):
                     await prefill_worker.stub.ReleaseKV(
                         pb.ReleaseKVRequest(request_id=inner.request_id, transfer_token=token), timeout=2.0
                     )
+
+    def _decode_error(self, worker: WorkerHandle, error: grpc.aio.AioRpcError) -> Exception:
+        """What a failed decode stream raises: DecodeWorkerLost when the worker is gone
+        (a retry may follow), the status itself otherwise."""
+        self._note_failure(self.decode, worker, error)
+        return DecodeWorkerLost(worker.address, error) if error.code() in _WORKER_DOWN else error
 
     def _note_failure(self, pool: WorkerPool, worker: WorkerHandle, error: grpc.aio.AioRpcError) -> None:
         if error.code() in _WORKER_DOWN:
