@@ -26,13 +26,13 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
               "show a server's KV blocks, requests and KV transfer counters"),
     "health": ("kvservice.client.commands", "add_health_arguments", "health_main",
                "check a server's gRPC health (exit 0 when SERVING)"),
-    "demo": ("kvservice.demo", "add_arguments", "main",
+    "demo": ("kvservice.server.demo", "add_arguments", "main",
              "the main job: launch a prefill/decode pair on the tiny model, benchmark it, stop"),
 }
 BENCHMARKS: dict[str, tuple[str, str, str, str]] = {
     "serve": ("kvservice.client.bench_serve", "add_arguments", "main",
               "load a server with a vLLM-style workload: TTFT/TTST/TPOT/ITL/E2EL, throughput, KV transfer"),
-    "compare": ("kvservice.client.bench_compare", "add_arguments", "main",
+    "compare": ("kvservice.server.bench_compare", "add_arguments", "main",
                 "disaggregated (1 prefill core + 1 decode core) vs colocated (2 cores): same workload, side by side"),
     "transfer": ("kvservice.bench.transfer", "add_arguments", "main",
                  "KV transfer over gRPC PullKV vs raw TCP, tensor to tensor across processes"),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvservice.client import bench_serve
-from kvservice.client.bench_compare import format_compare_table, plan_cores
+from kvservice.server.bench_compare import format_compare_table, plan_cores
 from kvservice.client.bench_serve import KVTransferTotals
 from kvservice.server.launcher import LocalCluster
 from kvservice.v1 import kvservice_pb2 as pb

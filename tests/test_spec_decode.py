@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 
 import pytest
 import torch
@@ -151,9 +150,7 @@ def test_wait_for_save_runs_after_the_draft_pass_and_outputs_reach_the_scheduler
     assert engine.num_free_blocks == engine.num_blocks
 
 
-def test_decode_worker_with_a_draft_recomputes_the_draft_kv(
-    models: tuple[pathlib.Path, pathlib.Path], tmp_path: pathlib.Path
-) -> None:
+def test_decode_worker_with_a_draft_recomputes_the_draft_kv(models: tuple[pathlib.Path, pathlib.Path]) -> None:
     """In-process stand-in for the disaggregated case: a request whose prompt KV 'arrived'
     (num_computed set as after a pull) makes the draft catch up over the whole prompt."""
     target, draft = models
@@ -176,7 +173,6 @@ def test_decode_worker_with_a_draft_recomputes_the_draft_kv(
                 tokens = out.token_ids
     assert tokens == plain
     assert engine.num_free_blocks == engine.num_blocks
-    shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 async def test_disaggregated_speculative_greedy_equals_plain_and_frees_everything(

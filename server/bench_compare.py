@@ -29,6 +29,7 @@ from kvservice.client.bench_serve import (
     write_json,
 )
 from kvservice.client.bench_workload import SampledRequest
+from kvservice.server.launcher import LocalCluster
 
 BASELINE, CANDIDATE = "colocated", "disaggregated"
 
@@ -142,9 +143,6 @@ def main(args: argparse.Namespace) -> int:
 async def _compare(
     args: argparse.Namespace, requests: list[SampledRequest], plan: CorePlan
 ) -> tuple[dict[str, dict[str, Any]], dict[str, list[RequestRecord]]]:
-    # The launcher lives with the servers; only this command needs it.
-    from kvservice.server.launcher import LocalCluster
-
     worker_args = [a for a in args.worker_args if a != "--"]
     deployments = {
         BASELINE: LocalCluster(args.model, worker_args=worker_args, colocated=True, colocated_cores=plan.colocated),
