@@ -194,26 +194,32 @@ async def _has_staged(address: str) -> bool:
 # ---------------------------------------------------------------- 2. decode worker killed
 
 
-async def test_decode_killed_mid_generation_fails_affected_requests_and_frees_everything() -> None:
-    prompts = random_prompts(8, 40, seed=3)
-    max_tokens = 400
-    expected = reference(prompts, max_tokens)
-    async with cluster(num_prefill=1, num_decode=2, worker_args=(*BASE_WORKER_ARGS, "--kv-lease-seconds", "3")) as c:
-        prefill = c.prefill_addresses[0]
-        victim, survivor = c.decode_addresses
-        async with KVServiceClient(c.address) as client:
-            streaming = asyncio.Event()
-            tasks = [asyncio.create_task(generate(client, p, max_tokens, streaming.set)) for p in prompts]
-            try:
-                async def victim_running() -> bool:
-                    return streaming.is_set() and (await worker_stats(victim)).num_running_requests > 0
+DECODE_KILL_PROMPTS = random_prompts(8, 40, seed=3)
+DECODE_KILL_MAX_TOKENS = 400
 
-                await wait_for(victim_running, "decode-0 generating", 30)
-                kill(c, "decode-0")
-                results = await asyncio.gather(*tasks, return_exceptions=True)
-            finally:
-                for t in tasks:
-                    t.cancel()
+
+async def _kill_decode_under_load(c: LocalCluster) -> list[object]:
+    """Stream the prompts, SIGKILL decode-0 once it generates; each request's tokens or error."""
+    victim = c.decode_addresses[0]
+    async with KVServiceClient(c.address) as client:
+        streaming = asyncio.Event()
+        tasks = [asyncio.create_task(generate(client, p, DECODE_KILL_MAX_TOKENS, streaming.set)) for p in DECODE_KILL_PROMPTS]
+        try:
+            async def victim_running() -> bool:
+                return streaming.is_set() and (await worker_stats(victim)).num_running_requests > 0
+
+            await wait_for(victim_running, "decode-0 generating", 30)
+            kill(c, "decode-0")
+            return await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+async def test_decode_killed_mid_generation_fails_affected_requests_and_frees_everything() -> None:
+    expected = reference(DECODE_KILL_PROMPTS, DECODE_KILL_MAX_TOKENS)
+    async with cluster(num_prefill=1, num_decode=2, worker_args=(*BASE_WORKER_ARGS, "--kv-lease-seconds", "3")) as c:
+        results = await _kill_decode_under_load(c)
         failed = [r for r in results if isinstance(r, BaseException)]
         assert failed, "no request was on the killed decode worker"
         for error in failed:
@@ -221,38 +227,21 @@ async def test_decode_killed_mid_generation_fails_affected_requests_and_frees_ev
         for result, want in zip(results, expected):
             if not isinstance(result, BaseException):
                 assert result == want
-        await wait_until_idle([prefill, survivor])
+        await wait_until_idle([c.prefill_addresses[0], c.decode_addresses[1]])
 
 
 async def test_decode_killed_with_retry_decode_restarts_requests_without_repeating_tokens() -> None:
     """With --retry-decode the proxy restarts greedy requests of a lost decode worker on
     the other one: every client still gets exactly the reference output, nothing twice."""
-    prompts = random_prompts(8, 40, seed=3)
-    max_tokens = 400
-    expected = reference(prompts, max_tokens)
-    proxy_args = (*FAST_PROXY_ARGS, "--retry-decode")
-    async with cluster(num_prefill=1, num_decode=2, proxy_args=proxy_args,
+    expected = reference(DECODE_KILL_PROMPTS, DECODE_KILL_MAX_TOKENS)
+    async with cluster(num_prefill=1, num_decode=2, proxy_args=(*FAST_PROXY_ARGS, "--retry-decode"),
                        worker_args=(*BASE_WORKER_ARGS, "--kv-lease-seconds", "3")) as c:
-        prefill = c.prefill_addresses[0]
-        victim, survivor = c.decode_addresses
-        async with KVServiceClient(c.address) as client:
-            streaming = asyncio.Event()
-            tasks = [asyncio.create_task(generate(client, p, max_tokens, streaming.set)) for p in prompts]
-            try:
-                async def victim_running() -> bool:
-                    return streaming.is_set() and (await worker_stats(victim)).num_running_requests > 0
-
-                await wait_for(victim_running, "decode-0 generating", 30)
-                kill(c, "decode-0")
-                results = await asyncio.gather(*tasks)
-            finally:
-                for t in tasks:
-                    t.cancel()
-            survivor_stats = await worker_stats(survivor)
+        results = await _kill_decode_under_load(c)
         assert results == expected  # no request lost, no token repeated or skipped
+        survivor = c.decode_addresses[1]
         # decode-0 is dead: the survivor finished every request, its own and the restarted ones.
-        assert survivor_stats.num_finished_requests == len(prompts)
-        await wait_until_idle([prefill, survivor])
+        assert (await worker_stats(survivor)).num_finished_requests == len(DECODE_KILL_PROMPTS)
+        await wait_until_idle([c.prefill_addresses[0], survivor])
 
 
 # ---------------------------------------------------------------- 3. corrupted chunk
