@@ -44,9 +44,6 @@ class KVCacheLayout:
         """Shape of `num_blocks` blocks of one layer: [2, n, block_size, kv_heads, head_dim]."""
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def num_blocks_for_memory(self, num_bytes: int) -> int:
-        return max(1, num_bytes // self.bytes_per_block)
-
 
 def allocate_kv_caches(layout: KVCacheLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
     return [torch.zeros(layout.blocks_shape(num_blocks), dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]

@@ -32,20 +32,6 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         raise ValueError(f"sampling_params.{e}") from None
 
 
-def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    sp = pb.SamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        max_tokens=params.max_tokens,
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-    )
-    if params.seed is not None:
-        sp.seed = params.seed
-    return sp
-
-
 def prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
     kind = request.WhichOneof("prompt")
     if kind == "text":

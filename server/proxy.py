@@ -41,10 +41,7 @@ class ProxyService(StreamingGenerationService):
         # When a decode worker goes away mid-request, restart a reproducible request
         # (greedy or seeded) on another one instead of failing it with UNAVAILABLE.
         self.retry_decode = retry_decode
-        self.num_decode_retries = 0
         self.metrics = metrics if metrics is not None else ServerMetrics("proxy")
-        self.num_requests = 0
-        self.num_degraded = 0
 
     async def responses(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         """The routing path of `Generate`, also used by the OpenAI-compatible HTTP front.
@@ -58,7 +55,6 @@ class ProxyService(StreamingGenerationService):
         with self.metrics.track(inner.request_id, logger) as tracker:
             if request.WhichOneof("prompt") is None:
                 raise ValueError("prompt: set either text or token_ids")
-            self.num_requests += 1
             num_sent = 0  # tokens the client already has
             failed_decoders: set[str] = set()
             while True:
@@ -77,7 +73,6 @@ class ProxyService(StreamingGenerationService):
                     if not (self.retry_decode and _is_reproducible(inner)):
                         raise lost.error from None
                     failed_decoders.add(lost.address)
-                    self.num_decode_retries += 1
                     logger.warning("request_id=%s: decode worker %s lost after %d tokens; retrying on another",
                                    inner.request_id, lost.address, num_sent)
 
@@ -88,8 +83,6 @@ class ProxyService(StreamingGenerationService):
         if decode_worker is None:
             raise NoWorkerAvailable("no healthy decode worker")
         prefill_worker = None if failed_decoders else self.prefill.pick()
-        if prefill_worker is None:
-            self.num_degraded += 1
         logger.info("request_id=%s routed: prefill=%s decode=%s", inner.request_id,
                     prefill_worker.address if prefill_worker is not None else "none", decode_worker.address)
         with self.decode.using(decode_worker):

@@ -212,10 +212,6 @@ class DecodeKVConnector(KVConnectorBase):
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         return self.stats.as_dict()
 
-    @property
-    def num_loading(self) -> int:
-        return len(self._loading)
-
     def shutdown(self) -> None:
         async def close_channels() -> None:
             for task in list(self._tasks.values()):
