@@ -72,7 +72,7 @@ class LLMEngine:
         self.kv_caches = allocate_kv_caches(self.layout, num_blocks, self.loaded.device)
         self.connector = connector
         if connector is not None:
-            connector.register_kv_caches(self.kv_caches, self.layout)  # type: ignore[attr-defined]
+            connector.register_kv_caches(self.kv_caches, self.layout)
         self.scheduler = Scheduler(
             KVCacheManager(num_blocks, config.block_size),
             config.max_num_seqs,

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
     from kvservice.attention import AttentionMetadata
     from kvservice.block_pool import KVCacheEvent
+    from kvservice.kv_cache import KVCacheLayout
     from kvservice.request import Request
     from kvservice.scheduler import SchedulerOutput
 
@@ -102,6 +103,10 @@ class KVConnectorBase(abc.ABC):
         """Called by the scheduler with each step's worker output. Default: nothing."""
 
     # ------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], layout: KVCacheLayout) -> None:
+        """Called once by the engine after it allocates its KV cache (one tensor per layer,
+        [2, num_blocks, block_size, kv_heads, head_dim]). Default: nothing."""
 
     def bind_connector_metadata(self, metadata: Any) -> None:
         """Called by the runner at the start of every step with `build_connector_meta`'s result."""
