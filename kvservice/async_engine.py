@@ -162,7 +162,8 @@ class AsyncLLMEngine:
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue
-                computed = self.engine.scheduler.num_unfinished > len(self.engine.scheduler.waiting_for_remote_kv)
+                queues = self.engine.scheduler.make_stats()
+                computed = queues.num_unfinished_requests > queues.num_waiting_for_remote_kv
                 outputs = self.engine.step()
                 if outputs:
                     self._deliver(outputs)
@@ -211,8 +212,8 @@ class AsyncLLMEngine:
     def _is_queue_full(self) -> bool:
         if self.max_queued_requests is None:
             return False
-        scheduler = self.engine.scheduler
-        return len(scheduler.waiting) + len(scheduler.waiting_for_remote_kv) >= self.max_queued_requests
+        queues = self.engine.scheduler.make_stats()
+        return queues.num_waiting_requests + queues.num_waiting_for_remote_kv >= self.max_queued_requests
 
     def _resolve(self, future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
         assert self._loop is not None

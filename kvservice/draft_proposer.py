@@ -16,10 +16,10 @@ import torch
 
 from kvservice.input_batch import BatchItem, build_batch
 from kvservice.model import CausalLM
+from kvservice.outputs import ScheduledRequest
 from kvservice.rejection_sampler import target_probs
 from kvservice.request import Request, RequestStatus
 from kvservice.sampler import Sampler
-from kvservice.scheduler import ScheduledRequest
 
 
 @dataclass(slots=True)

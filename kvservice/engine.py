@@ -16,9 +16,10 @@ from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.kv_cache_manager import KVCacheManager
 from kvservice.model_loader import LoadedModel, load_model, load_model_config
 from kvservice.model_runner import ModelRunner
+from kvservice.outputs import EngineCoreOutput
 from kvservice.request import Request
 from kvservice.sampling_params import SamplingParams
-from kvservice.scheduler import EngineCoreOutput, Scheduler
+from kvservice.scheduler import Scheduler
 from kvservice.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -148,9 +149,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------ the step
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, eager_finalize: bool = False) -> list[RequestOutput]:
+        """One step; `eager_finalize` is the speculative benchmark's baseline (see `ModelRunner.execute_model`)."""
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
+        runner_output = self.runner.execute_model(scheduler_output, eager_finalize=eager_finalize)
         core_outputs = self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids, runner_output.kv_connector_output
         )

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvservice.connector.base import KVConnectorBase, KVConnectorOutput
+from kvservice.connector.base import KVConnectorBase
 from kvservice.connector.lifecycle import (
     finalize_kv_connector,
     kv_connector_no_forward,
@@ -22,9 +22,9 @@ from kvservice.draft_proposer import DraftProposer
 from kvservice.input_batch import BatchItem, InputBatch, build_batch
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.model import CausalLM
+from kvservice.outputs import KVConnectorOutput, ScheduledRequest, SchedulerOutput
 from kvservice.rejection_sampler import verify_draft_tokens
 from kvservice.sampler import Sampler
-from kvservice.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -52,12 +52,15 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.connector = connector
         self.drafter = drafter
-        # With a draft model: finalize after the draft pass (True) or before it (False,
-        # the eager baseline the benchmark compares with).
-        self.defer_finalize_for_draft = True
 
-    def execute_model(self, scheduler_output: SchedulerOutput, defer_finalize: bool = False) -> ModelRunnerOutput:
-        """One step. With `defer_finalize`, the caller must call `finalize()` after its own draft pass."""
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, defer_finalize: bool = False, eager_finalize: bool = False
+    ) -> ModelRunnerOutput:
+        """One step. With `defer_finalize`, the caller must call `finalize()` after its own draft pass.
+
+        With a draft model the save normally stays in flight during the draft pass;
+        `eager_finalize` waits for it before the draft pass instead (the baseline that
+        `kvservice bench spec` compares with)."""
         self.sampler.forget(scheduler_output.finished_req_ids)
         if self.drafter is not None:
             self.drafter.forget(scheduler_output.finished_req_ids)
@@ -76,7 +79,7 @@ class ModelRunner:
             for s in scheduled
         ]
         batch = build_batch(items, self.block_size, self.device)
-        draft_overlaps_save = self.drafter is not None and self.defer_finalize_for_draft
+        draft_overlaps_save = self.drafter is not None and not eager_finalize
         with maybe_get_kv_connector_output(self.connector, scheduler_output, defer_finalize or draft_overlaps_save) as kv_output:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, self.connector)
         sampled = self._sample(scheduled, batch, hidden)

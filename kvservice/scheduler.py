@@ -13,52 +13,18 @@ blocks and parks in WAITING_FOR_REMOTE_KV until the connector reports the load d
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
-from kvservice.connector.base import KVConnectorBase, KVConnectorOutput
+from kvservice.connector.base import KVConnectorBase
 from kvservice.kv_cache_manager import KVCacheManager
+from kvservice.outputs import (
+    EngineCoreOutput,
+    KVConnectorOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 from kvservice.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # including the speculative tokens
-    block_ids: list[int]
-    # Draft tokens to verify this step; they follow the request's own tokens.
-    spec_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def is_sampling(self) -> bool:
-        """Whether this step reaches the end of the request's tokens, so it samples."""
-        request = self.request
-        return request.num_computed_tokens + self.num_new_tokens == request.num_tokens + len(self.spec_token_ids)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    num_scheduled_tokens: int
-    # Requests finished (or aborted) since the previous step: the connector's worker
-    # half learns of them through `get_finished(finished_req_ids)`.
-    finished_req_ids: set[str] = field(default_factory=set)
-    preempted_req_ids: set[str] = field(default_factory=set)
-    kv_connector_metadata: Any = None
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(frozen=True, slots=True)
-class EngineCoreOutput:
-    """New tokens of one request after a step; `finish_reason` set on its last output."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    error: str | None = None
 
 
 class Scheduler:
@@ -133,6 +99,20 @@ class Scheduler:
     def has_work(self) -> bool:
         """Whether a step would do anything: requests to run, or transfers to drive."""
         return bool(self.num_unfinished or self.pending_free or self._pending_outputs or self._finished_req_ids)
+
+    def make_stats(self) -> SchedulerStats:
+        """The queues, the cache and the counters: the one way they leave the scheduler."""
+        return SchedulerStats(
+            num_running_requests=len(self.running),
+            num_waiting_requests=len(self.waiting),
+            num_waiting_for_remote_kv=len(self.waiting_for_remote_kv),
+            num_finished_requests=self.num_finished,
+            num_aborted_requests=self.num_aborted,
+            num_preemptions=self.num_preemptions,
+            num_blocks_total=self.kv.num_blocks,
+            num_blocks_free=self.kv.num_free_blocks,
+            spec_decoding=SpecDecodingStats(self.num_draft_tokens, self.num_accepted_tokens, self.num_verify_steps),
+        )
 
     # ------------------------------------------------------------ the step
 

@@ -11,9 +11,9 @@ environment variable `KVSERVICE_AUTH_TOKEN`) guards the client API only.
 from __future__ import annotations
 
 import argparse
-import ssl
 import os
 import pathlib
+import ssl
 from dataclasses import dataclass
 
 import grpc

@@ -9,7 +9,11 @@ import grpc
 
 from kvservice.async_engine import AsyncLLMEngine
 from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
-from kvservice.server.generation import StreamingGenerationService, new_request_id, stream_responses
+from kvservice.server.generation import (
+    StreamingGenerationService,
+    new_request_id,
+    stream_responses,
+)
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.stats import engine_stats
 from kvservice.v1 import kvservice_pb2 as pb

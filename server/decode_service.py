@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvservice.async_engine import AsyncLLMEngine
-from kvservice.connector.decode_connector import REMOTE_ADDRESS, TRANSFER_TOKEN
+from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN
 from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
 from kvservice.server.errors import abort_with
 from kvservice.server.generation import stream_responses

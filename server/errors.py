@@ -7,7 +7,11 @@ import asyncio
 import grpc
 
 from kvservice.async_engine import EngineDeadError, QueueFull
-from kvservice.connector.transfer_registry import StagingExhausted, TransferDenied, TransferNotFound
+from kvservice.connector.transfer_registry import (
+    StagingExhausted,
+    TransferDenied,
+    TransferNotFound,
+)
 
 
 class RequestFailed(Exception):

@@ -11,9 +11,9 @@ import grpc
 
 from kvservice.async_engine import AsyncLLMEngine
 from kvservice.sampling_params import SamplingParams
-from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.server.convert import response_from_output
 from kvservice.server.errors import RequestFailed, abort_with
+from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 

@@ -11,8 +11,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -96,14 +95,3 @@ def configure_logging(level: str = "INFO") -> None:
     )
 
 
-T = TypeVar("T")
-
-
-def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run on uvloop where it is installed."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main)

@@ -30,9 +30,8 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from kvservice.server.generation import merge_into_complete
 from kvservice.server.errors import message_for, status_for
-from kvservice.server.generation import new_request_id
+from kvservice.server.generation import merge_into_complete, new_request_id
 from kvservice.server.proxy import ProxyService
 from kvservice.v1 import kvservice_pb2 as pb
 

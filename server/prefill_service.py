@@ -14,14 +14,18 @@ from dataclasses import replace
 import grpc
 
 from kvservice.async_engine import AsyncLLMEngine
-from kvservice.connector.prefill_connector import TRANSFER_TOKEN
+from kvservice.connector.base import TRANSFER_TOKEN
 from kvservice.connector.transfer_registry import TransferRegistry
 from kvservice.sampling_params import SamplingParams
-from kvservice.tokenizer import IncrementalDetokenizer
-from kvservice.server.convert import finish_reason_to_proto, prompt_from_proto, sampling_params_from_proto
+from kvservice.server.convert import (
+    finish_reason_to_proto,
+    prompt_from_proto,
+    sampling_params_from_proto,
+)
 from kvservice.server.errors import RequestFailed, abort_with
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.stats import engine_stats
+from kvservice.tokenizer import IncrementalDetokenizer
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 

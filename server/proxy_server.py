@@ -11,9 +11,15 @@ import sys
 from aiohttp import web
 from grpc_health.v1 import health_pb2
 
+from kvservice.event_loop import run_event_loop
 from kvservice.server.auth import BearerTokenInterceptor
-from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, configure_logging, run_event_loop
-from kvservice.server.metrics import ServerMetrics, metrics_app, metrics_handler, start_http
+from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, configure_logging
+from kvservice.server.metrics import (
+    ServerMetrics,
+    metrics_app,
+    metrics_handler,
+    start_http,
+)
 from kvservice.server.openai_front import OpenAIFront
 from kvservice.server.proxy import ProxyService
 from kvservice.server.worker_pool import WorkerPool

@@ -1,40 +1,51 @@
-"""A worker's `Stats` snapshot, taken on the engine thread between steps (consistent)."""
+"""A worker's `Stats` snapshot: the engine's own stats objects translated into the proto.
+
+Taken on the engine thread between steps, so the queues, the cache and the counters
+agree with each other.
+"""
 
 from __future__ import annotations
 
-from kvservice.connector.decode_connector import DecodeKVConnector
-from kvservice.connector.prefill_connector import PrefillKVConnector
 from kvservice.engine import LLMEngine
+from kvservice.outputs import KVTransferCounters
 from kvservice.v1 import kvservice_pb2 as pb
 
 
 def engine_stats(engine: LLMEngine, role: str) -> pb.StatsResponse:
-    scheduler = engine.scheduler
+    scheduler = engine.scheduler.make_stats()
     stats = pb.StatsResponse(
         role=role,
-        num_blocks_total=engine.num_blocks,
-        num_blocks_free=engine.num_free_blocks,
-        num_running_requests=len(scheduler.running),
-        num_waiting_requests=len(scheduler.waiting),
-        num_waiting_for_remote_kv=len(scheduler.waiting_for_remote_kv),
-        num_finished_requests=scheduler.num_finished,
-        num_aborted_requests=scheduler.num_aborted,
+        num_blocks_total=scheduler.num_blocks_total,
+        num_blocks_free=scheduler.num_blocks_free,
+        num_running_requests=scheduler.num_running_requests,
+        num_waiting_requests=scheduler.num_waiting_requests,
+        num_waiting_for_remote_kv=scheduler.num_waiting_for_remote_kv,
+        num_finished_requests=scheduler.num_finished_requests,
+        num_aborted_requests=scheduler.num_aborted_requests,
         num_preemptions=scheduler.num_preemptions,
     )
-    spec = stats.spec_decode
-    spec.num_draft_tokens = scheduler.num_draft_tokens
-    spec.num_accepted_tokens = scheduler.num_accepted_tokens
-    spec.num_verify_steps = scheduler.num_verify_steps
-    if scheduler.num_draft_tokens:
-        spec.acceptance_rate = scheduler.num_accepted_tokens / scheduler.num_draft_tokens
-    if scheduler.num_verify_steps:
-        spec.mean_accepted_length = (scheduler.num_accepted_tokens + scheduler.num_verify_steps) / scheduler.num_verify_steps
-    connector = engine.connector
-    if isinstance(connector, DecodeKVConnector):
-        connector.stats.to_proto(stats.kv_receiving)
-    elif isinstance(connector, PrefillKVConnector):
-        pool = connector.registry.pool
-        stats.kv_sending.staging_bytes_in_use = pool.bytes_in_use
-        stats.kv_sending.staging_bytes_capacity = pool.capacity_bytes
-        stats.kv_sending.num_staged_transfers = connector.registry.num_transfers
+    spec = scheduler.spec_decoding
+    stats.spec_decode.num_draft_tokens = spec.num_draft_tokens
+    stats.spec_decode.num_accepted_tokens = spec.num_accepted_tokens
+    stats.spec_decode.num_verify_steps = spec.num_verify_steps
+    stats.spec_decode.acceptance_rate = spec.acceptance_rate
+    stats.spec_decode.mean_accepted_length = spec.mean_accepted_length
+    connector = engine.connector.make_stats() if engine.connector is not None else None
+    if connector is not None:
+        if connector.receiving is not None:
+            transfer_counters_to_proto(connector.receiving, stats.kv_receiving)
+        if connector.sending is not None:
+            transfer_counters_to_proto(connector.sending, stats.kv_sending)
+        if connector.staging is not None:
+            stats.kv_sending.staging_bytes_in_use = connector.staging.bytes_in_use
+            stats.kv_sending.staging_bytes_capacity = connector.staging.bytes_capacity
+            stats.kv_sending.num_staged_transfers = connector.staging.num_staged_transfers
     return stats
+
+
+def transfer_counters_to_proto(counters: KVTransferCounters, into: pb.KVTransferStats) -> None:
+    into.num_transfers = counters.num_transfers
+    into.num_failed_transfers = counters.num_failed_transfers
+    into.num_chunks = counters.num_chunks
+    into.num_bytes = counters.num_bytes
+    into.total_seconds = counters.total_seconds

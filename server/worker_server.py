@@ -25,15 +25,16 @@ from kvservice.connector.prefill_connector import PrefillKVConnector
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import TransferRegistry
 from kvservice.engine import LLMEngine
+from kvservice.event_loop import run_event_loop
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.model_loader import ModelLoadError, load_model_config, resolve_dtype
+from kvservice.server.auth import BearerTokenInterceptor
 from kvservice.server.colocated_service import ColocatedGenerationService
 from kvservice.server.decode_service import DecodeWorkerService
-from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, configure_logging, run_event_loop
+from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, configure_logging
 from kvservice.server.metrics import ServerMetrics, metrics_app, start_http
 from kvservice.server.prefill_service import PrefillWorkerService
-from kvservice.server.auth import BearerTokenInterceptor
-from kvservice.server.stats import engine_stats
+from kvservice.server.stats import engine_stats, transfer_counters_to_proto
 from kvservice.tls import TLSFiles, add_tls_arguments
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
@@ -168,7 +169,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         async def snapshot() -> pb.StatsResponse:
             stats: pb.StatsResponse = await async_engine.call(lambda engine: engine_stats(engine, args.role))
             if transfer_service is not None:
-                transfer_service.stats.to_proto(stats.kv_sending)
+                transfer_counters_to_proto(transfer_service.stats.snapshot(), stats.kv_sending)
             return stats
 
         metrics_runner, metrics_port = await start_http(metrics_app(metrics, snapshot), args.host, args.metrics_port)

@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-
 from hf_models import save_random_model
 
 # The test models are tiny: with several intra-op threads on a small, shared CPU the

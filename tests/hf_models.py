@@ -101,7 +101,14 @@ def save_tokenizer(file: str | pathlib.Path, vocab_size: int = 400) -> pathlib.P
 
     Ids 0, 1, 2 are <unk>, <s> (BOS, prepended by encode) and </s>, as in the models' configs.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from kvservice.client.client import KVServiceClient
-from kvservice.server.launcher import LocalCluster
+from kvservice.client.cluster import LocalCluster
 from kvservice.v1 import kvservice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)

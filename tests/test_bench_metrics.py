@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvservice.client.bench_metrics import (
+from kvservice.client.bench.metrics import (
     BenchmarkMetrics,
     RequestRecord,
     compute_metrics,

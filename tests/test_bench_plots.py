@@ -6,8 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from kvservice.client.bench_metrics import RequestRecord, compute_metrics, metrics_to_result_json
-from kvservice.client.bench_plots import write_compare_plot, write_plots
+from kvservice.client.bench.metrics import (
+    RequestRecord,
+    compute_metrics,
+    metrics_to_result_json,
+)
+from kvservice.client.bench.plots import write_compare_plot, write_plots
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kvservice.client import bench_serve
-from kvservice.server.bench_compare import format_compare_table, plan_cores
-from kvservice.client.bench_serve import KVTransferTotals
-from kvservice.server.launcher import LocalCluster
+from kvservice.client.bench import serve as bench_serve
+from kvservice.client.bench.compare import format_compare_table, plan_cores
+from kvservice.client.bench.serve import KVTransferTotals
+from kvservice.client.cluster import LocalCluster
 from kvservice.v1 import kvservice_pb2 as pb
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kvservice.bench import transfer
+from kvservice.client.bench import transfer
 from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
 
 

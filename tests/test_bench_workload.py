@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvservice.client.bench_workload import (
+from kvservice.client.bench.workload import (
     SampledRequest,
     arrival_intervals,
     random_requests,

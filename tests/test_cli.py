@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from kvservice.cli import BENCHMARKS, COMMANDS, main
-from kvservice.server.launcher import LocalCluster
+from kvservice.client.cluster import LocalCluster
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

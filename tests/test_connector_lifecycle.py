@@ -7,13 +7,14 @@ real engine, runner and context managers on the built-in `tiny` model (4 layers)
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 
 from kvservice.config import EngineConfig
-from kvservice.connector.base import KVConnectorBase, KVConnectorOutput, KVConnectorWorkerMeta
+from kvservice.connector.base import KVConnectorBase
 from kvservice.connector.lifecycle import (
     finalize_kv_connector,
     kv_connector_no_forward,
@@ -21,9 +22,14 @@ from kvservice.connector.lifecycle import (
 )
 from kvservice.engine import LLMEngine, RequestOutput
 from kvservice.kv_cache import KVCacheLayout
+from kvservice.outputs import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorWorkerMeta,
+    SchedulerOutput,
+)
 from kvservice.request import Request, RequestStatus
 from kvservice.sampling_params import SamplingParams
-from kvservice.scheduler import SchedulerOutput
 
 NUM_LAYERS = 4  # the tiny model's
 CONFIG = EngineConfig(block_size=8, num_blocks=32, max_model_len=128)
@@ -32,6 +38,13 @@ PROMPT = [10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]  # 2 blocks of 8
 REMOTE = "remote"  # kv_transfer_params key: the prompt's KV comes from elsewhere
 
 Call = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class StepMeta(KVConnectorMetadata):
+    """The recording connector's metadata: which step built it."""
+
+    step: int
 
 
 class RecordingConnector(KVConnectorBase):
@@ -69,9 +82,9 @@ class RecordingConnector(KVConnectorBase):
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         pass
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         self.num_metas += 1
-        return ("meta", self.num_metas)
+        return StepMeta(self.num_metas)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.finished_requests.append((request.request_id, request.status))
@@ -82,7 +95,7 @@ class RecordingConnector(KVConnectorBase):
 
     # worker side
 
-    def bind_connector_metadata(self, metadata: Any) -> None:
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         self.calls.append(("bind_connector_metadata", metadata))
         super().bind_connector_metadata(metadata)
 
@@ -201,10 +214,10 @@ def test_normal_step_calls_the_connector_in_lifecycle_order() -> None:
     engine.add_request(PROMPT, GREEDY, "r")
     outputs = engine.step()
     assert [o.new_token_ids for o in outputs if o.request_id == "r"] != [[]]
-    assert connector.take_calls() == normal_step(("meta", 1))
+    assert connector.take_calls() == normal_step(StepMeta(1))
     # The next (decode) step has the same shape, with the next step's metadata.
     engine.step()
-    assert connector.take_calls() == normal_step(("meta", 2))
+    assert connector.take_calls() == normal_step(StepMeta(2))
 
 
 def test_layer_hooks_wrap_each_layers_attention() -> None:
@@ -224,10 +237,10 @@ def test_no_forward_step_still_drives_the_connector_without_waiting_for_saves() 
     engine.add_request(PROMPT, GREEDY, "r", {REMOTE: True})
     assert engine.step() == []
     assert engine.scheduler.requests["r"].status is RequestStatus.WAITING_FOR_REMOTE_KV
-    assert connector.take_calls() == no_forward_step(("meta", 1))
+    assert connector.take_calls() == no_forward_step(StepMeta(1))
     # Still waiting: every step keeps polling the connector (the decode worker does not stall).
     engine.step()
-    assert connector.take_calls() == no_forward_step(("meta", 2))
+    assert connector.take_calls() == no_forward_step(StepMeta(2))
 
 
 def test_kv_connector_no_forward_directly() -> None:
@@ -236,9 +249,9 @@ def test_kv_connector_no_forward_directly() -> None:
     connector.report_recving = {"done-recving"}
     connector.report_load_errors = {3}
     connector.report_first_tokens = {"done-recving": 7}
-    scheduler_output = SchedulerOutput([], 0, finished_req_ids={"old"}, kv_connector_metadata="meta")
+    scheduler_output = SchedulerOutput([], 0, finished_req_ids={"old"}, kv_connector_metadata=StepMeta(0))
     output = kv_connector_no_forward(connector, scheduler_output)
-    assert connector.take_calls() == no_forward_step("meta", {"old"})
+    assert connector.take_calls() == no_forward_step(StepMeta(0), {"old"})
     assert output.finished_sending == {"done-sending"}
     assert output.finished_recving == {"done-recving"}
     assert output.invalid_block_ids == {3}
@@ -252,7 +265,7 @@ def test_deferred_step_leaves_save_and_clear_to_finalize(reference_tokens: list[
     engine.add_request(PROMPT, GREEDY, "r")
     scheduler_output = engine.scheduler.schedule()
     runner_output = engine.runner.execute_model(scheduler_output, defer_finalize=True)
-    meta = ("meta", 1)
+    meta = StepMeta(1)
     assert connector.take_calls() == [
         ("bind_connector_metadata", meta),
         ("start_load_kv",),
@@ -367,7 +380,7 @@ def test_finished_recving_resumes_the_request_with_the_remote_first_token() -> N
     # The next step decodes from the remote token: one token through the model.
     connector.take_calls()
     engine.step()
-    assert ("save_kv_layer", 0, ("meta", 3)) in connector.take_calls()
+    assert ("save_kv_layer", 0, StepMeta(3)) in connector.take_calls()
     assert run_to_completion(engine)["r"].token_ids[0] == 123
 
 

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from kvservice.client.client import KVServiceClient
-from kvservice.server.launcher import WORKER_ENV
+from kvservice.client.cluster import WORKER_ENV
 
 DOCKER = pathlib.Path(__file__).resolve().parent.parent / "docker"
 COMPOSE = DOCKER / "docker-compose.yml"

@@ -22,8 +22,8 @@ import pytest
 
 from kvservice import LLM, SamplingParams
 from kvservice.client.client import KVServiceClient
+from kvservice.client.cluster import LocalCluster
 from kvservice.connector.kv_transfer_service import FAULT_CORRUPT_CHUNK_EVERY
-from kvservice.server.launcher import LocalCluster
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 

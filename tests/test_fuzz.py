@@ -20,11 +20,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvservice.client.client import KVServiceClient
+from kvservice.client.cluster import LocalCluster
 from kvservice.connector import wire
-from kvservice.connector.kv_transfer_service import GRPC_OPTIONS, MAX_MESSAGE_BYTES, PULL_KV_METHOD
+from kvservice.connector.kv_transfer_service import (
+    GRPC_OPTIONS,
+    MAX_MESSAGE_BYTES,
+    PULL_KV_METHOD,
+)
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.model_loader import load_model_config, resolve_dtype
-from kvservice.server.launcher import LocalCluster
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 

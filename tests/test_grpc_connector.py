@@ -24,13 +24,14 @@ import torch
 
 from kvservice.config import EngineConfig
 from kvservice.connector import wire
-from kvservice.connector.decode_connector import REMOTE_ADDRESS, DecodeKVConnector
-from kvservice.connector.transfer_stats import TransferStats
+from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN
+from kvservice.connector.decode_connector import DecodeKVConnector
 from kvservice.connector.kv_puller import LoadSpec, pull_kv
 from kvservice.connector.kv_transfer_service import KVTransferService
-from kvservice.connector.prefill_connector import TRANSFER_TOKEN, PrefillKVConnector
+from kvservice.connector.prefill_connector import PrefillKVConnector
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import StagedTransfer, TransferRegistry
+from kvservice.connector.transfer_stats import TransferStats
 from kvservice.engine import LLMEngine, RequestOutput
 from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.llm import LLM

@@ -12,7 +12,7 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvservice.client.client import KVServiceClient
-from kvservice.server.launcher import LocalCluster
+from kvservice.client.cluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

@@ -6,11 +6,16 @@ import shutil
 
 import pytest
 import torch
+from hf_models import random_prompts, save_random_model
 from safetensors.torch import load_file, save_file
 
-from hf_models import random_prompts, save_random_model
 from kvservice import LLM, SamplingParams
-from kvservice.model_loader import TINY_CONFIG, ModelLoadError, load_model, load_model_config
+from kvservice.model_loader import (
+    TINY_CONFIG,
+    ModelLoadError,
+    load_model,
+    load_model_config,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from kvservice.client.client import KVServiceClient
-from kvservice.server.launcher import LocalCluster
+from kvservice.client.cluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

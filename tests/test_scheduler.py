@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvservice.kv_cache_manager import KVCacheManager, cdiv
+from kvservice.outputs import EngineCoreOutput, SchedulerOutput
 from kvservice.request import Request, RequestStatus
 from kvservice.sampling_params import SamplingParams
-from kvservice.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
+from kvservice.scheduler import Scheduler
 
 EOS = 2
 

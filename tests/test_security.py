@@ -6,6 +6,7 @@ proxy -> workers, decode -> prefill) and a bearer token on the proxy's client AP
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import pathlib
@@ -13,17 +14,15 @@ import secrets
 from collections.abc import AsyncIterator
 
 import grpc
-import asyncio
-
 import pytest
 import pytest_asyncio
 
 from kvservice.client.client import KVServiceClient
-from kvservice.kv_cache import KVCacheLayout
-from kvservice.model_loader import load_model_config, resolve_dtype
+from kvservice.client.cluster import LocalCluster
 from kvservice.connector import wire
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS, PULL_KV_METHOD
-from kvservice.server.launcher import LocalCluster
+from kvservice.kv_cache import KVCacheLayout
+from kvservice.model_loader import load_model_config, resolve_dtype
 from kvservice.tls import TLSFiles
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
@@ -60,7 +59,7 @@ def _certificate(
     subject: str, issuer_key: ec.EllipticCurvePrivateKey | None, issuer: x509.Name | None, *, is_ca: bool, san: bool = False
 ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
         .subject_name(_name(subject))

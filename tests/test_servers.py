@@ -22,10 +22,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import grpc
 import pytest
 import pytest_asyncio
-
 from hf_models import VOCAB_SIZE, hf_greedy, random_prompts
+
 from kvservice.client.client import KVServiceClient
-from kvservice.server.launcher import WORKER_ENV, LocalCluster
+from kvservice.client.cluster import WORKER_ENV, LocalCluster
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 

@@ -8,14 +8,14 @@ import pathlib
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from hf_models import random_prompts, save_random_model
+from safetensors.torch import load_file, save_file
+from test_connector_lifecycle import RecordingConnector
+
 from kvservice import LLM, SamplingParams
 from kvservice.config import EngineConfig
 from kvservice.engine import LLMEngine
 from kvservice.rejection_sampler import verify_draft_tokens
-from test_connector_lifecycle import RecordingConnector
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 ENGINE = dict(num_blocks=48, max_num_batched_tokens=48, max_num_seqs=4, dtype="float32")
@@ -181,7 +181,7 @@ async def test_disaggregated_speculative_greedy_equals_plain_and_frees_everythin
     """1P1D with a draft model on the workers: the decode worker recomputes the draft's KV
     after the pull and speculates; the output equals plain greedy; every block is freed."""
     from kvservice.client.client import KVServiceClient
-    from kvservice.server.launcher import LocalCluster
+    from kvservice.client.cluster import LocalCluster
     from kvservice.v1 import kvservice_pb2 as pb
     from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 

@@ -1,13 +1,16 @@
 from __future__ import annotations
 
-import pathlib
-
 import pytest
+from hf_models import TOKENIZER_SENTENCES, save_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_models import TOKENIZER_SENTENCES, save_tokenizer
-from kvservice.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, Tokenizer
+from kvservice.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    IncrementalDetokenizer,
+    Tokenizer,
+)
 
 MULTIBYTE = ["héllo wörld", "naïve café", "東京 と 大阪", "🙂🚀 emoji", "a€b", "ça va? — oui"]
 

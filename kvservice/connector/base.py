@@ -27,8 +27,19 @@ Optional hooks are concrete no-ops, so a connector implements only what it moves
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from kvservice.outputs import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorStats,
+    KVConnectorWorkerMeta,
+    SchedulerOutput,
+)
+
+# The keys of `Request.kv_transfer_params` that the router sets and the connectors read.
+TRANSFER_TOKEN = "transfer_token"  # the random secret that authorises pulling one transfer's KV
+REMOTE_ADDRESS = "remote_address"  # decode side: the prefill worker that holds the KV
 
 if TYPE_CHECKING:
     import torch
@@ -37,38 +48,13 @@ if TYPE_CHECKING:
     from kvservice.block_pool import KVCacheEvent
     from kvservice.kv_cache import KVCacheLayout
     from kvservice.request import Request
-    from kvservice.scheduler import SchedulerOutput
-
-
-@dataclass(slots=True)
-class KVConnectorWorkerMeta:
-    """What the worker half tells the scheduler half beyond the finished sets."""
-
-    # Decode side: the first token the remote prefill sampled, per completed load.
-    first_token_ids: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class KVConnectorOutput:
-    """What the worker half reports after a step; the scheduler half consumes it."""
-
-    finished_sending: set[str] = field(default_factory=set)
-    finished_recving: set[str] = field(default_factory=set)
-    invalid_block_ids: set[int] = field(default_factory=set)
-    kv_connector_stats: dict[str, Any] | None = None
-    kv_cache_events: list[KVCacheEvent] = field(default_factory=list)
-    kv_connector_worker_meta: KVConnectorWorkerMeta | None = None
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
 
 
 class KVConnectorBase(abc.ABC):
     """Both halves of a connector. Subclasses implement the abstract methods."""
 
     def __init__(self) -> None:
-        self._connector_metadata: Any = None
+        self._connector_metadata: KVConnectorMetadata | None = None
 
     # ------------------------------------------------------------ scheduler side
 
@@ -87,7 +73,7 @@ class KVConnectorBase(abc.ABC):
         `get_num_new_matched_tokens` matched: where the external KV must land."""
 
     @abc.abstractmethod
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Called by the scheduler at the end of `schedule()`: the worker half's
         instructions for this step (loads to start, saves to make). Resets the
         scheduler half's per-step state."""
@@ -108,7 +94,7 @@ class KVConnectorBase(abc.ABC):
         """Called once by the engine after it allocates its KV cache (one tensor per layer,
         [2, num_blocks, block_size, kv_heads, head_dim]). Default: nothing."""
 
-    def bind_connector_metadata(self, metadata: Any) -> None:
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         """Called by the runner at the start of every step with `build_connector_meta`'s result."""
         self._connector_metadata = metadata
 
@@ -117,7 +103,7 @@ class KVConnectorBase(abc.ABC):
         self._connector_metadata = None
 
     @property
-    def connector_metadata(self) -> Any:
+    def connector_metadata(self) -> KVConnectorMetadata:
         assert self._connector_metadata is not None, "no connector metadata bound for this step"
         return self._connector_metadata
 
@@ -152,6 +138,11 @@ class KVConnectorBase(abc.ABC):
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """Called by the runner every step: transfer counters, or None."""
+        return None
+
+    def make_stats(self) -> KVConnectorStats | None:
+        """Called from the engine thread between steps (stats endpoints): this connector's
+        transfer counters, as a consistent snapshot. Default: None."""
         return None
 
     def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:

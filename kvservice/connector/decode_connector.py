@@ -23,20 +23,22 @@ from typing import Any
 import grpc
 import torch
 
-from kvservice.connector.base import KVConnectorBase, KVConnectorWorkerMeta
+from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN, KVConnectorBase
+from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
 from kvservice.connector.transfer_stats import TransferStats
-from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
 from kvservice.kv_cache import KVCacheLayout
+from kvservice.outputs import (
+    KVConnectorMetadata,
+    KVConnectorStats,
+    KVConnectorWorkerMeta,
+    SchedulerOutput,
+)
 from kvservice.request import Request, RequestStatus
-from kvservice.scheduler import SchedulerOutput
-
-REMOTE_ADDRESS = "remote_address"
-TRANSFER_TOKEN = "transfer_token"
 
 
 @dataclass(slots=True)
-class DecodeConnectorMetadata:
+class DecodeConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
 
 
@@ -133,7 +135,8 @@ class DecodeKVConnector(KVConnectorBase):
     # ------------------------------------------------------------ worker side
 
     def start_load_kv(self, forward_context: Any) -> None:
-        meta: DecodeConnectorMetadata = self.connector_metadata
+        meta = self.connector_metadata
+        assert isinstance(meta, DecodeConnectorMetadata)
         for spec in meta.loads:
             self._loading[spec.request_id] = spec
             self._transfer_loop.loop.call_soon_threadsafe(self._start_pull, spec)
@@ -211,6 +214,9 @@ class DecodeKVConnector(KVConnectorBase):
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         return self.stats.as_dict()
+
+    def make_stats(self) -> KVConnectorStats:
+        return KVConnectorStats(receiving=self.stats.snapshot())
 
     def shutdown(self) -> None:
         async def close_channels() -> None:

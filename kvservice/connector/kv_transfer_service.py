@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvservice.connector import wire
-from kvservice.connector.transfer_stats import TransferStats
 from kvservice.connector.transfer_registry import (
     StagedTransfer,
     TransferDenied,
@@ -23,6 +22,7 @@ from kvservice.connector.transfer_registry import (
     TransferRegistry,
     TransferState,
 )
+from kvservice.connector.transfer_stats import TransferStats
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.v1 import kvservice_pb2 as pb
 

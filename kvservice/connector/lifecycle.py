@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvservice.connector.base import KVConnectorBase, KVConnectorOutput
-
-if TYPE_CHECKING:
-    from kvservice.scheduler import SchedulerOutput
+from kvservice.connector.base import KVConnectorBase
+from kvservice.outputs import KVConnectorOutput, SchedulerOutput
 
 
 @contextlib.contextmanager

@@ -21,13 +21,21 @@ import numpy as np
 import torch
 
 from kvservice.attention import AttentionMetadata
-from kvservice.connector.base import KVConnectorBase
-from kvservice.connector.transfer_registry import StagedChunk, StagedTransfer, TransferRegistry
+from kvservice.connector.base import TRANSFER_TOKEN, KVConnectorBase
+from kvservice.connector.transfer_registry import (
+    StagedChunk,
+    StagedTransfer,
+    TransferRegistry,
+)
 from kvservice.kv_cache import KVCacheLayout
+from kvservice.outputs import (
+    KVConnectorMetadata,
+    KVConnectorStats,
+    SchedulerOutput,
+    StagingStats,
+)
 from kvservice.request import Request, RequestStatus
-from kvservice.scheduler import SchedulerOutput
 
-TRANSFER_TOKEN = "transfer_token"
 DEFAULT_CHUNK_BYTES = 2 << 20  # 2-4 MiB messages stream fastest over gRPC
 
 
@@ -41,7 +49,7 @@ class SaveSpec:
 
 
 @dataclass(slots=True)
-class PrefillConnectorMetadata:
+class PrefillConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
 
 
@@ -135,7 +143,8 @@ class PrefillKVConnector(KVConnectorBase):
 
     # ------------------------------------------------------------ worker side
 
-    def bind_connector_metadata(self, metadata: Any) -> None:
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        assert isinstance(metadata, PrefillConnectorMetadata)
         super().bind_connector_metadata(metadata)
         for spec in metadata.saves:
             if spec.request_id not in self._step_transfers:
@@ -147,7 +156,8 @@ class PrefillKVConnector(KVConnectorBase):
         pass  # nothing to load on a prefill worker
 
     def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata) -> None:
-        meta: PrefillConnectorMetadata = self.connector_metadata
+        meta = self.connector_metadata
+        assert isinstance(meta, PrefillConnectorMetadata)
         if not meta.saves:
             return
         if self._copy_stream is not None:
@@ -218,6 +228,10 @@ class PrefillKVConnector(KVConnectorBase):
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         pool = self.registry.pool
         return {"staging_bytes_in_use": pool.bytes_in_use, "staging_bytes_capacity": pool.capacity_bytes}
+
+    def make_stats(self) -> KVConnectorStats:
+        pool = self.registry.pool
+        return KVConnectorStats(staging=StagingStats(pool.bytes_in_use, pool.capacity_bytes, self.registry.num_transfers))
 
     def shutdown(self) -> None:
         self._publish_ready_copies(block=True)

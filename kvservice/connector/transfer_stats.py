@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvservice.v1 import kvservice_pb2 as pb
+from kvservice.outputs import KVTransferCounters
 
 
 @dataclass(slots=True)
@@ -20,9 +20,5 @@ class TransferStats:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def to_proto(self, into: pb.KVTransferStats) -> None:
-        into.num_transfers = self.num_transfers
-        into.num_failed_transfers = self.num_failed_transfers
-        into.num_chunks = self.num_chunks
-        into.num_bytes = self.num_bytes
-        into.total_seconds = self.total_seconds
+    def snapshot(self) -> KVTransferCounters:
+        return KVTransferCounters(self.num_transfers, self.num_failed_transfers, self.num_chunks, self.num_bytes, self.total_seconds)

@@ -15,8 +15,8 @@ and decides: it writes nowhere.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from google.protobuf.message import DecodeError
@@ -28,7 +28,6 @@ except ImportError:
 
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.v1 import kvservice_pb2 as pb
-
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from kvservice.client.bench_metrics import (
+from kvservice.client.bench.metrics import (
     GOODPUT_METRICS,
     BenchmarkMetrics,
     RequestRecord,
@@ -36,7 +36,12 @@ from kvservice.client.bench_metrics import (
     format_report,
     metrics_to_result_json,
 )
-from kvservice.client.bench_workload import SampledRequest, random_requests, request_arrivals, sharegpt_requests
+from kvservice.client.bench.workload import (
+    SampledRequest,
+    random_requests,
+    request_arrivals,
+    sharegpt_requests,
+)
 from kvservice.client.client import KVServiceClient
 from kvservice.tls import TLSFiles, add_tls_arguments
 from kvservice.v1 import kvservice_pb2 as pb
@@ -380,7 +385,9 @@ def main(args: argparse.Namespace) -> int:
         write_json(args.save_result, result_json(metrics, records, extra))
         print(f"result written to {args.save_result}")
     if args.plot:
-        from kvservice.client.bench_plots import write_plots  # matplotlib only when asked
+        from kvservice.client.bench.plots import (
+            write_plots,  # matplotlib only when asked
+        )
 
         for path in write_plots(records, args.plot):
             print(f"plot written to {path}")

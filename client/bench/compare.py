@@ -19,8 +19,8 @@ from typing import Any
 
 import grpc
 
-from kvservice.client.bench_metrics import RequestRecord
-from kvservice.client.bench_serve import (
+from kvservice.client.bench.metrics import RequestRecord
+from kvservice.client.bench.serve import (
     add_workload_arguments,
     result_json,
     run_benchmark_with_args,
@@ -28,8 +28,8 @@ from kvservice.client.bench_serve import (
     workload_settings,
     write_json,
 )
-from kvservice.client.bench_workload import SampledRequest
-from kvservice.server.launcher import LocalCluster
+from kvservice.client.bench.workload import SampledRequest
+from kvservice.client.cluster import LocalCluster
 
 BASELINE, CANDIDATE = "colocated", "disaggregated"
 
@@ -131,7 +131,10 @@ def main(args: argparse.Namespace) -> int:
         write_json(args.save_result, {"settings": settings, **results})
         print(f"result written to {args.save_result}")
     if args.plot:
-        from kvservice.client.bench_plots import write_compare_plot, write_plots  # matplotlib only when asked
+        from kvservice.client.bench.plots import (  # matplotlib only when asked
+            write_compare_plot,
+            write_plots,
+        )
 
         print(f"plot written to {write_compare_plot(results, args.plot)}")
         for name, deployment_records in records.items():

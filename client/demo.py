@@ -10,10 +10,10 @@ import argparse
 import asyncio
 import time
 
-from kvservice.client.bench_metrics import RequestRecord, compute_metrics, format_report
+from kvservice.client.bench.metrics import RequestRecord, compute_metrics, format_report
 from kvservice.client.client import KVServiceClient
-from kvservice.server.grpc_server import run_event_loop
-from kvservice.server.launcher import LocalCluster
+from kvservice.client.cluster import LocalCluster
+from kvservice.event_loop import run_event_loop
 
 DEMO_PROMPTS = [
     "Disaggregated serving splits prefill from decode.",

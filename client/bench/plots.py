@@ -15,7 +15,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from kvservice.client.bench_metrics import RequestRecord
+from kvservice.client.bench.metrics import RequestRecord
 
 _MS_PER_S = 1000.0
 _DPI = 100

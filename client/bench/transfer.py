@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from kvservice.bench.tcp_baseline import MiB, peak_rss_bytes, pin, tcp_transfer
+from kvservice.client.bench.tcp_baseline import MiB, peak_rss_bytes, pin, tcp_transfer
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
-from kvservice.process_env import WORKER_ENV
 from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
+from kvservice.process_env import WORKER_ENV
 
 # 8B-like (Llama 3 8B): 32 layers, 8 KV heads of 128, bfloat16, 16-token blocks. 128 KiB a token.
 BENCH_LAYOUT = KVCacheLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
@@ -122,7 +122,11 @@ async def _serve_prefill(conn: Connection, setup: _Setup) -> None:
 
     from kvservice.attention import AttentionMetadata
     from kvservice.connector.kv_transfer_service import KVTransferService
-    from kvservice.connector.prefill_connector import PrefillConnectorMetadata, PrefillKVConnector, SaveSpec
+    from kvservice.connector.prefill_connector import (
+        PrefillConnectorMetadata,
+        PrefillKVConnector,
+        SaveSpec,
+    )
     from kvservice.connector.staging import StagingPool
     from kvservice.connector.transfer_registry import TransferRegistry
 

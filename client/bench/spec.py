@@ -20,9 +20,10 @@ import time
 
 import torch
 
-from kvservice.bench.engine import BENCH_MODEL
+from kvservice.client.bench.engine import BENCH_MODEL
 from kvservice.config import EngineConfig
-from kvservice.connector.prefill_connector import TRANSFER_TOKEN, PrefillKVConnector
+from kvservice.connector.base import TRANSFER_TOKEN
+from kvservice.connector.prefill_connector import PrefillKVConnector
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import TransferRegistry
 from kvservice.engine import LLMEngine
@@ -83,13 +84,12 @@ def prefill_step_seconds(target: pathlib.Path, draft: pathlib.Path, prompts: lis
     try:
         for i in range(repeats + 1):
             for mode in ("deferred", "eager"):
-                engine.runner.defer_finalize_for_draft = mode == "deferred"
                 for j, prompt in enumerate(prompts):
                     request_id = f"{mode}-{i}-{j}"
                     registry.register(request_id, b"t", len(prompt))
                     engine.add_request(prompt, params, request_id, {TRANSFER_TOKEN: b"t"})
                 start = time.perf_counter()
-                engine.step()  # every prompt in one step: the prefill, its save and the draft pass
+                engine.step(eager_finalize=mode == "eager")  # every prompt in one step: the prefill, its save and the draft pass
                 elapsed = time.perf_counter() - start
                 if i > 0:  # the first round warms up
                     times[mode].append(elapsed)
@@ -116,9 +116,7 @@ def decode_tokens_per_s(target: pathlib.Path, draft: pathlib.Path | None, prompt
     while engine.has_unfinished_requests():
         engine.step()
     elapsed = time.perf_counter() - start
-    scheduler = engine.scheduler
-    acceptance = scheduler.num_accepted_tokens / scheduler.num_draft_tokens if scheduler.num_draft_tokens else 0.0
-    return len(prompts) * (max_tokens - 1) / elapsed, acceptance
+    return len(prompts) * (max_tokens - 1) / elapsed, engine.scheduler.make_stats().spec_decoding.acceptance_rate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,73 @@
+"""`kvservice launch`: N prefill + M decode workers and a proxy as local processes; Ctrl-C stops all."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+from kvservice.client.cluster import LaunchError, LocalCluster
+from kvservice.event_loop import run_event_loop
+from kvservice.tls import AUTH_TOKEN_ENV, TLSFiles, add_tls_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face model directory (default: tiny)")
+    parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers (default: 1)")
+    parser.add_argument("--num-decode", type=int, default=1, help="decode workers (default: 1)")
+    parser.add_argument("--port", type=int, default=8000, help="the proxy's port (default: 8000; 0 lets the OS pick)")
+    parser.add_argument("--http-port", type=int, default=None, help="the proxy's OpenAI-compatible HTTP API on this port (default: off)")
+    parser.add_argument("--metrics-port", type=int, default=None, help="the proxy's Prometheus /metrics on this port; every worker gets one the OS picks (default: off)")
+    add_tls_arguments(parser)
+    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker")
+
+
+def main(args: argparse.Namespace) -> int:
+    extra = [a for a in args.worker_args if a != "--"]
+    return run_event_loop(_launch(args, extra))
+
+
+async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:
+    tls = TLSFiles.from_args(args)
+    proxy_args: list[str] = [*tls.to_args()]
+    worker_args = [*worker_args, *tls.to_args()]
+    if args.auth_token:
+        # Through the environment, not argv (which `ps` shows): the proxy reads it from there.
+        os.environ[AUTH_TOKEN_ENV] = args.auth_token
+    if args.http_port is not None:
+        proxy_args += ["--http-port", str(args.http_port), "--served-model-name", args.model]
+    if args.metrics_port is not None:
+        proxy_args += ["--metrics-port", str(args.metrics_port)]
+        worker_args = [*worker_args, "--metrics-port", "0"]
+    cluster = LocalCluster(
+        args.model, args.num_prefill, args.num_decode, args.port, worker_args, proxy_args=proxy_args,
+        client_credentials=tls.channel_credentials(),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await cluster.start()
+        print(f"kvservice launch: proxy listening on {cluster.address}", flush=True)
+        for child in cluster.children:
+            extras = "".join(f", {what} {address}" for what, address in (("http", child.http_address), ("metrics", child.metrics_address)) if address)
+            print(f"  {child.name:<10} {child.address}  (pid {child.process.pid}{extras})", flush=True)
+        print("Ctrl-C or SIGTERM stops everything.", flush=True)
+        waits = [asyncio.create_task(c.process.wait()) for c in cluster.children]
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([stopper, *waits], return_when=asyncio.FIRST_COMPLETED)
+        for task in [stopper, *waits]:
+            task.cancel()
+        if stopper not in done:
+            dead = [c.name for c in cluster.children if c.process.returncode is not None]
+            print(f"kvservice launch: {', '.join(dead)} exited; stopping the rest", file=sys.stderr)
+            return 1
+        return 0
+    except LaunchError as e:
+        print(f"kvservice launch: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        await cluster.stop()
