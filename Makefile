@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test proto bench-engine clean
+.PHONY: setup demo test test-fast lint proto bench-engine clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,14 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The tests not marked slow (no multi-process clusters): a minute or two.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+# Style, import order and likely bugs (ruff; settings in pyproject.toml).
+lint: setup
+	$(VENV)/bin/ruff check .
 
 # Regenerate the committed gRPC stubs from proto/ (a test fails when they are stale).
 proto: setup

@@ -15,15 +15,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvservice.finish_reason import finish_reason_from_proto
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
-
-FINISH_REASON_NAMES = {
-    pb.FINISH_REASON_UNSPECIFIED: None,
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_ABORT: "abort",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +105,7 @@ class KVServiceClient:
                     request_id=response.request_id,
                     token_ids=list(response.token_ids),
                     text=response.text,
-                    finish_reason=FINISH_REASON_NAMES.get(response.finish_reason),
+                    finish_reason=finish_reason_from_proto(response.finish_reason),
                     num_prompt_tokens=response.num_prompt_tokens,
                 )
         finally:
@@ -123,7 +117,7 @@ class KVServiceClient:
             request_id=response.request_id,
             token_ids=list(response.token_ids),
             text=response.text,
-            finish_reason=FINISH_REASON_NAMES.get(response.finish_reason),
+            finish_reason=finish_reason_from_proto(response.finish_reason),
             num_prompt_tokens=response.num_prompt_tokens,
         )
 

@@ -11,6 +11,7 @@ import asyncio
 import time
 
 from kvservice.client.bench.metrics import RequestRecord, compute_metrics, format_report
+from kvservice.client.bench.record import record_grpc_request
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
 from kvservice.event_loop import run_event_loop
@@ -43,22 +44,21 @@ async def _demo(args: argparse.Namespace) -> int:
               f"prefill {cluster.prefill_addresses[0]}, decode {cluster.decode_addresses[0]}", flush=True)
         async with KVServiceClient(cluster.address) as client:
             records: list[RequestRecord] = []
-            texts: dict[str, str] = {}
             start = time.perf_counter()
             for round_index in range(args.rounds):
-                results = await asyncio.gather(
-                    *(_one(client, f"demo-{round_index}-{i}", prompt, args.max_tokens) for i, prompt in enumerate(DEMO_PROMPTS))
+                records += await asyncio.gather(
+                    *(
+                        record_grpc_request(client, prompt, f"demo-{round_index}-{i}", max_tokens=args.max_tokens)
+                        for i, prompt in enumerate(DEMO_PROMPTS)
+                    )
                 )
-                for record, text in results:
-                    records.append(record)
-                    texts[record.request_id] = text
             duration = time.perf_counter() - start
             stats = await client.stats()
         print()
         for record in records[: len(DEMO_PROMPTS)]:
             prompt = DEMO_PROMPTS[int(record.request_id.rsplit("-", 1)[1])]
             status = f"{record.output_len} tokens" if record.success else f"FAILED: {record.error}"
-            print(f"  {prompt[:48]!r:<52} -> {status}: {texts[record.request_id][:40]!r}")
+            print(f"  {prompt[:48]!r:<52} -> {status}: {record.text[:40]!r}")
         metrics = compute_metrics(records, duration)
         kv = stats.kv_receiving
         extra = [
@@ -75,20 +75,3 @@ async def _demo(args: argparse.Namespace) -> int:
         print(f"kvservice demo: FAILED ({metrics.failed} failed requests; blocks still in use: {leaked})")
         return 1
     return 0
-
-
-async def _one(client: KVServiceClient, request_id: str, prompt: str, max_tokens: int) -> tuple[RequestRecord, str]:
-    record = RequestRecord(request_id=request_id, prompt_len=0, start=time.perf_counter())
-    text = ""
-    try:
-        async for chunk in client.generate(prompt, request_id=request_id, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
-            now = time.perf_counter()
-            record.token_times.extend([now] * len(chunk.token_ids))
-            record.output_len += len(chunk.token_ids)
-            record.prompt_len = chunk.num_prompt_tokens or record.prompt_len
-            text += chunk.text
-        record.success = True
-    except Exception as e:  # reported per request in the demo's table
-        record.error = str(e)
-    record.end = time.perf_counter()
-    return record, text

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvservice.attention import AttentionMetadata, PrefillSpan
+from kvservice.kv_cache_manager import cdiv
 
 # Requests with at most this many new tokens may join the batched decode group.
 _MAX_DECODE_GROUP_QUERIES = 8
@@ -64,7 +65,7 @@ def build_batch(items: list[BatchItem], block_size: int, device: torch.device) -
     if group:
         starts = torch.tensor([items[i].start for i in group])
         max_len = int(starts.max()) + group_q
-        max_blocks = -(-max_len // bs)
+        max_blocks = cdiv(max_len, bs)
         table = torch.tensor([(items[i].block_ids + [0] * max_blocks)[:max_blocks] for i in group], dtype=torch.long)
         decode_slots = (table[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :max_len]  # [B, L]
         # Query q of request b sits at position start_b + q and sees keys at positions <= it.
@@ -78,7 +79,7 @@ def build_batch(items: list[BatchItem], block_size: int, device: torch.device) -
         span = PrefillSpan(flat_start[i], flat_start[i] + n)
         if start > 0:
             context = start + n
-            table = torch.tensor(item.block_ids[: -(-context // bs)], dtype=torch.long)
+            table = torch.tensor(item.block_ids[: cdiv(context, bs)], dtype=torch.long)
             span.context_slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:context].to(device)
             # Query j (position start + j) sees keys at positions <= start + j.
             span.mask = (torch.arange(context)[None, :] <= (start + torch.arange(n))[:, None]).to(device)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvservice.config import ModelConfig
+from kvservice.kv_cache_manager import cdiv
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,10 @@ class KVCacheLayout:
     @property
     def bytes_per_block(self) -> int:
         return self.bytes_per_block_per_layer * self.num_layers
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens (the last one partly filled)."""
+        return cdiv(num_tokens, self.block_size)
 
     def blocks_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
         """Shape of `num_blocks` blocks of one layer: [2, n, block_size, kv_heads, head_dim]."""

@@ -10,7 +10,7 @@ connector contract need not import each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvservice.request import Request
@@ -129,15 +129,23 @@ class SchedulerStats:
         return self.num_running_requests + self.num_waiting_requests + self.num_waiting_for_remote_kv
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class KVTransferCounters:
-    """One direction of KV traffic since the worker started."""
+    """One direction of KV traffic since the worker started (sending on prefill workers,
+    receiving on decode workers). Updated in place from one event loop only; anything
+    that leaves that loop is a `snapshot()`."""
 
     num_transfers: int = 0
     num_failed_transfers: int = 0
     num_chunks: int = 0
     num_bytes: int = 0
     total_seconds: float = 0.0  # summed over transfers
+
+    def snapshot(self) -> KVTransferCounters:
+        return replace(self)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""The client API's bearer token: a server interceptor in front of the Generation service.
+"""The client API's bearer token: one check, used by the gRPC interceptor in front of the
+Generation service and by the OpenAI-compatible HTTP front.
 
 Calls to `/kvservice.v1.Generation/*` without `authorization: Bearer <token>` metadata end
 UNAUTHENTICATED before reaching a servicer; health, reflection and the worker-to-worker
@@ -18,11 +19,29 @@ from kvservice.v1 import kvservice_pb2 as pb
 GUARDED_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["Generation"].full_name + "/"
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+class BearerToken:
+    """`authorization: Bearer <token>`, compared in constant time."""
+
     def __init__(self, token: str) -> None:
         if not token:
             raise ValueError("--auth-token: empty")
         self._expected = f"Bearer {token}".encode()
+
+    def matches(self, presented: str | bytes | None) -> bool:
+        """Whether a presented header value (gRPC metadata or HTTP header) is exactly the token."""
+        if presented is None:
+            return False
+        if isinstance(presented, str):
+            try:
+                presented = presented.encode()
+            except UnicodeEncodeError:  # undecodable bytes in an HTTP header: not our token
+                return False
+        return hmac.compare_digest(bytes(presented), self._expected)
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = BearerToken(token)
 
     async def intercept_service(
         self,
@@ -37,11 +56,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         return _rejecting(handler)
 
     def _is_authorized(self, metadata: Any) -> bool:
-        presented = next((value for key, value in metadata if key == "authorization"), None)
-        if presented is None:
-            return False
-        presented_bytes = presented.encode() if isinstance(presented, str) else bytes(presented)
-        return hmac.compare_digest(presented_bytes, self._expected)
+        return self._token.matches(next((value for key, value in metadata if key == "authorization"), None))
 
 
 def _rejecting(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 from kvservice.engine import RequestOutput
+from kvservice.finish_reason import finish_reason_to_proto
 from kvservice.sampling_params import SamplingParams
 from kvservice.v1 import kvservice_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16
-
-FINISH_REASONS: dict[str | None, int] = {
-    None: pb.FINISH_REASON_UNSPECIFIED,
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
-}
 
 
 def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
@@ -41,11 +35,6 @@ def prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
     if kind == "token_ids":
         return list(request.token_ids.ids)
     raise ValueError("prompt: set either text or token_ids")
-
-
-def finish_reason_to_proto(reason: str | None) -> int:
-    # "error" never reaches the wire as a reason: it becomes a status code.
-    return FINISH_REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
 
 
 def response_from_output(output: RequestOutput, new_token_ids: list[int], new_text: str) -> pb.GenerateResponse:

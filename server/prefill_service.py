@@ -16,12 +16,9 @@ import grpc
 from kvservice.async_engine import AsyncLLMEngine
 from kvservice.connector.base import TRANSFER_TOKEN
 from kvservice.connector.transfer_registry import TransferRegistry
+from kvservice.finish_reason import finish_reason_to_proto
 from kvservice.sampling_params import SamplingParams
-from kvservice.server.convert import (
-    finish_reason_to_proto,
-    prompt_from_proto,
-    sampling_params_from_proto,
-)
+from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
 from kvservice.server.errors import RequestFailed, abort_with
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.stats import engine_stats

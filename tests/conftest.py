@@ -1,13 +1,30 @@
-"""Shared fixtures: random tiny Hugging Face checkpoints, written once per session."""
+"""Shared fixtures and helpers: random tiny Hugging Face checkpoints (written once per
+session), and the waits, Stats helpers and cluster of the multi-process tests."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import pathlib
-from collections.abc import Callable
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import pytest
 import torch
 from hf_models import save_random_model
+
+from kvservice import LLM, SamplingParams
+from kvservice.client.client import KVServiceClient
+from kvservice.client.cluster import LocalCluster
+from kvservice.v1 import kvservice_pb2 as pb
+
+T = TypeVar("T")
+
+# Fixtures of helper modules, available to every test module: `reference` (pd_pair).
+pytest_plugins = ["pd_pair"]
 
 # The test models are tiny: with several intra-op threads on a small, shared CPU the
 # threads' fan-out costs far more than the arithmetic (and swings wildly under load).
@@ -56,3 +73,108 @@ def mistral_dir(hf_model_dir: Callable[[str], pathlib.Path]) -> pathlib.Path:
 def tokenizer_model_dir(hf_model_dir: Callable[[str], pathlib.Path]) -> pathlib.Path:
     """The `llama` shape plus a byte-level BPE tokenizer.json."""
     return hf_model_dir("llama_tokenizer")
+
+
+# ---------------------------------------------------------------- servers: waits and stats
+#
+# Helpers shared by the multi-process tests (`from conftest import ...`). A client sees
+# the end of a stream a moment before the engine's step thread frees the request's
+# blocks, and nothing announces that moment: the waits below re-poll Stats with a
+# deadline (a readiness wait, never a fixed sleep).
+
+STATS_POLL_SECONDS = 0.05
+DEFAULT_IDLE_DEADLINE = 15.0
+
+
+async def worker_stats(address: str) -> pb.StatsResponse:
+    """Stats of any server: a proxy or colocated worker (Generation.Stats), or a prefill or decode worker (Worker.Stats)."""
+    async with KVServiceClient(address) as client:
+        return await client.stats()
+
+
+async def all_worker_stats(addresses: Sequence[str]) -> dict[str, pb.StatsResponse]:
+    stats = await asyncio.gather(*(worker_stats(a) for a in addresses))
+    return dict(zip(addresses, stats))
+
+
+async def wait_for(condition: Callable[[], Awaitable[T | None]], what: str, timeout: float = DEFAULT_IDLE_DEADLINE) -> T:
+    """Re-evaluate the async `condition` until it returns something truthy, or fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} within {timeout:.0f} s")
+        await asyncio.sleep(STATS_POLL_SECONDS)  # polling period of a readiness wait
+
+
+def is_idle(stats: pb.StatsResponse) -> bool:
+    """Every block free, nothing running or queued, no staged KV."""
+    return (
+        stats.num_blocks_free == stats.num_blocks_total
+        and stats.num_running_requests == 0
+        and stats.num_waiting_requests == 0
+        and stats.num_waiting_for_remote_kv == 0
+        and stats.kv_sending.staging_bytes_in_use == 0
+    )
+
+
+async def wait_for_stats(
+    addresses: Sequence[str], condition: Callable[[dict[str, pb.StatsResponse]], bool], what: str,
+    timeout: float = DEFAULT_IDLE_DEADLINE,
+) -> dict[str, pb.StatsResponse]:
+    """Re-poll the servers' Stats until `condition` holds for them; the last Stats in the failure message."""
+    last: dict[str, pb.StatsResponse] = {}
+
+    async def holds() -> bool:
+        nonlocal last
+        last = await all_worker_stats(addresses)
+        return condition(last)
+
+    try:
+        await wait_for(holds, what, timeout)
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {last}") from None
+    return last
+
+
+async def wait_until_idle(addresses: Sequence[str], timeout: float = DEFAULT_IDLE_DEADLINE) -> dict[str, pb.StatsResponse]:
+    """Every server in `addresses` idle (see `is_idle`)."""
+    return await wait_for_stats(addresses, lambda stats: all(map(is_idle, stats.values())), "idle (all blocks free, staging empty)", timeout)
+
+
+@contextlib.asynccontextmanager
+async def local_cluster(model: str = "tiny", **kwargs: Any) -> AsyncIterator[LocalCluster]:
+    """A started LocalCluster; stopped at the end, and any child still alive 30 s later is SIGKILLed."""
+    cluster = LocalCluster(model, **kwargs)
+    try:
+        await cluster.start()
+        yield cluster
+    finally:
+        processes = [child.process for child in cluster.children]
+        try:
+            await asyncio.wait_for(cluster.stop(), 30)
+        finally:
+            await kill_all(processes)
+
+
+async def kill_all(processes: Sequence[asyncio.subprocess.Process]) -> None:
+    """SIGKILL the process group of every process still alive (children start their own sessions), and reap it."""
+    for process in processes:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+
+
+_tiny_llm: LLM | None = None
+
+
+def tiny_greedy(prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy output of the tiny model (EOS ignored), in this process: what a colocated worker returns."""
+    global _tiny_llm
+    if _tiny_llm is None:
+        _tiny_llm = LLM("tiny")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [list(out.token_ids) for out in _tiny_llm.generate([list(p) for p in prompts], params)]

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
+from conftest import local_cluster, wait_until_idle
 
 from kvservice.client.client import KVServiceClient
-from kvservice.client.cluster import LocalCluster
-from kvservice.v1 import kvservice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,20 +20,8 @@ WORKER_ARGS = [
 ]
 
 
-async def wait_until_idle(client: KVServiceClient, timeout: float = 10.0) -> pb.StatsResponse:
-    """The stream ends a moment before the step thread frees its blocks: re-poll with a deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = await client.stats()
-        if stats.num_blocks_free == stats.num_blocks_total and stats.num_running_requests == 0 and stats.num_waiting_requests == 0:
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not idle within {timeout:.0f} s: {stats}")
-        await asyncio.sleep(0.05)  # polling period of a readiness wait
-
-
 async def test_burst_past_the_queue_bound_gets_resource_exhausted_and_frees_everything() -> None:
-    async with LocalCluster("tiny", colocated=True, worker_args=WORKER_ARGS, grace_period=2) as cluster:
+    async with local_cluster("tiny", colocated=True, worker_args=WORKER_ARGS, grace_period=2) as cluster:
         async with KVServiceClient(cluster.address) as client:
 
             async def one(i: int) -> grpc.StatusCode | list[int]:
@@ -52,7 +38,7 @@ async def test_burst_past_the_queue_bound_gets_resource_exhausted_and_frees_ever
             refused = [r for r in results if not isinstance(r, list)]
             assert set(refused) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
             assert successes and all(len(ids) == 16 for ids in successes)
-            stats = await wait_until_idle(client)
+            stats = (await wait_until_idle([cluster.address], 10.0))[cluster.address]
             assert stats.num_blocks_total == 8
             # Admission recovers: a request after the burst is served.
             completion = await client.complete([7] * 5, timeout=60, max_tokens=2, temperature=0, ignore_eos=True)

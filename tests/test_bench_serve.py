@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import local_cluster
 
 from kvservice.client.bench import serve as bench_serve
 from kvservice.client.bench.compare import format_compare_table, plan_cores
-from kvservice.client.bench.serve import KVTransferTotals
-from kvservice.client.cluster import LocalCluster
+from kvservice.client.bench.metrics import KVTransferTotals, kv_transfer_report_lines
 from kvservice.v1 import kvservice_pb2 as pb
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -28,7 +28,7 @@ def _serve_args(*argv: str) -> argparse.Namespace:
 @pytest.mark.slow
 async def test_bench_serve_on_a_prefill_decode_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result_file, plot_dir = tmp_path / "result.json", tmp_path / "plots"
-    async with LocalCluster("tiny", num_prefill=1, num_decode=1) as cluster:
+    async with local_cluster("tiny", num_prefill=1, num_decode=1) as cluster:
         args = _serve_args(
             "--target", cluster.address, "--num-prompts", "8", "--input-len", "40", "--output-len", "8",
             "--request-rate", "20", "--goodput", "e2el:60000", "--disable-tqdm",
@@ -84,7 +84,7 @@ def test_kv_transfer_totals_sum_the_proxys_decode_workers() -> None:
     colocated = KVTransferTotals.from_stats(pb.StatsResponse(role="both")).to_result_json()
     assert colocated["kv_transfer_has_receiver"] is False and colocated["kv_transfer_bytes"] == 0
     assert colocated["kv_transfer_gbps"] is None and colocated["kv_transfer_mean_ms"] is None
-    assert bench_serve.kv_transfer_report_lines(colocated) == [("KV transfers:", "none (no decode worker)")]
+    assert kv_transfer_report_lines(colocated) == [("KV transfers:", "none (no decode worker)")]
 
 
 @pytest.mark.parametrize("value", ["ttft", "latency:5", "ttft:fast", "tpot:-1", "e2el:inf"])

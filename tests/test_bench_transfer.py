@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvservice.client.bench import transfer
+from kvservice.client.bench.transfer_worker import FIRST_TOKEN_ID, Pulled, layer_checksums
 from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
 
 
@@ -24,7 +25,7 @@ def test_small_run_reports_verified_figures_as_json(capsys: pytest.CaptureFixtur
     assert transfer.main(args) == 0  # nonzero: a process went over its memory bound
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["num_bytes"] == 8 << 20 and report["num_tokens"] == 64
-    assert report["is_verified"] is True and report["dst_blocks"] == "reversed"
+    assert report["num_verified_bytes"] == report["num_bytes"] * report["repeats"] and report["dst_blocks"] == "reversed"
     assert report["grpc_gbps"] > 0 and report["tcp_gbps"] > 0
     assert report["ratio"] == pytest.approx(report["grpc_gbps"] / report["tcp_gbps"])
     assert report["ratio"] > 0
@@ -44,14 +45,37 @@ def test_checksums_see_the_block_mapping() -> None:
     dst = allocate_kv_caches(layout, 4, torch.device("cpu"))
     for s, d in zip(src, dst):
         d[:, [3, 2, 1]] = s[:, [0, 1, 2]]
-    expected = transfer._layer_checksums(src, [0, 1, 2])
-    assert transfer._layer_checksums(dst, [3, 2, 1]) == expected
-    assert transfer._layer_checksums(dst, [1, 2, 3]) != expected
+    expected = layer_checksums(src, [0, 1, 2])
+    assert layer_checksums(dst, [3, 2, 1]) == expected
+    assert layer_checksums(dst, [1, 2, 3]) != expected
     dst[1][1, 2, 0, 0, 0] += 1  # one value of one V block of the last layer
-    assert transfer._layer_checksums(dst, [3, 2, 1])[1] != expected[1]
+    assert layer_checksums(dst, [3, 2, 1])[1] != expected[1]
 
 
 @pytest.mark.parametrize("flag", ["--size-mib", "--repeats"])
 def test_rejects_non_positive_sizes(flag: str) -> None:
     with pytest.raises(SystemExit):
         _parser().parse_args([flag, "0"])
+
+
+def _pulled(**changes: object) -> Pulled:
+    fields: dict[str, object] = {
+        "seconds": 0.1, "cpu_seconds": 0.1, "error": None, "first_token_id": FIRST_TOKEN_ID,
+        "checksums": [1, 2, 3], "is_guard_zero": True,
+    }
+    return Pulled(**{**fields, **changes})  # type: ignore[arg-type]
+
+
+def test_verify_pull_refuses_anything_but_the_prefills_bytes() -> None:
+    sent = [1, 2, 3]
+    transfer.verify_pull(_pulled(), sent)  # the same bytes: accepted
+    for bad, message in (
+        (_pulled(checksums=[1, 9, 3]), "layers \\[1\\]"),
+        (_pulled(error="lease expired"), "pull failed"),
+        (_pulled(first_token_id=7), "first token"),
+        (_pulled(is_guard_zero=False), "outside its transfer"),
+    ):
+        with pytest.raises(RuntimeError, match=message):
+            transfer.verify_pull(bad, sent)
+    with pytest.raises(ValueError):  # a layer missing altogether
+        transfer.verify_pull(_pulled(checksums=[1, 2]), sent)

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
+from conftest import local_cluster
 
 from kvservice.cli import BENCHMARKS, COMMANDS, main
-from kvservice.client.cluster import LocalCluster
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -67,7 +67,7 @@ async def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[in
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server() -> AsyncIterator[str]:
     """A colocated (`--role both`) tiny server; yields its address."""
-    async with LocalCluster("tiny", colocated=True, worker_args=["--num-threads", "1", "--num-blocks", "32"]) as cluster:
+    async with local_cluster("tiny", colocated=True, worker_args=["--num-threads", "1", "--num-blocks", "32"]) as cluster:
         yield cluster.address
 
 

@@ -27,10 +27,12 @@ from typing import Any
 import pytest
 import yaml
 
+from kvservice.cli import build_parser
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import WORKER_ENV
 
-DOCKER = pathlib.Path(__file__).resolve().parent.parent / "docker"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "docker-compose.yml"
 COMPOSE_GPU = DOCKER / "docker-compose.gpu.yml"
 WORKERS = ("prefill", "decode")
@@ -129,13 +131,36 @@ def test_kubernetes_manifests_validate() -> None:
         kubernetes_validate.validate(broken, "1.30", strict=True)
 
 
-def test_dockerfile() -> None:
-    text = (DOCKER / "Dockerfile").read_text()
-    assert re.search(r"^ARG BASE_IMAGE=python:3\.1\d", text, re.M)
-    assert re.search(r"^FROM \$\{BASE_IMAGE\}", text, re.M)
-    assert "torch==${TORCH_VERSION}" in text and "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
-    assert re.search(r"^USER 10001", text, re.M)
-    assert re.search(r"^HEALTHCHECK .*\n\s+CMD kvservice health --target \"127\.0\.0\.1:\$\{KVSERVICE_PORT\}\"", text, re.M)
+def _dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) per instruction, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n\s*", " ", (DOCKER / "Dockerfile").read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0], line.split(None, 1)[1] if " " in line else "") for line in lines]
+
+
+def test_dockerfile_agrees_with_the_repository() -> None:
+    """The image repeats facts the repository owns; each must match its source."""
+    instructions = _dockerfile_instructions()
+    args = dict(arg.split("=", 1) for kind, arg in instructions if kind == "ARG" and "=" in arg)
+    # The torch pin is the Makefile's (a looser one pulls a CUDA build).
+    makefile_pin = re.search(r"torch==([\d.]+)", (ROOT / "Makefile").read_text())
+    assert makefile_pin is not None and args["TORCH_VERSION"] == makefile_pin.group(1)
+    # The workers' start-up environment is process_env.WORKER_ENV, set at process start.
+    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(arg for kind, arg in instructions if kind == "ENV")))
+    for name in ("GLIBC_TUNABLES", "OMP_WAIT_POLICY"):
+        assert env[name] == WORKER_ENV[name], name
+    # Every package directory the distribution installs is copied into the image.
+    copied = {source.rstrip("/") for kind, arg in instructions if kind == "COPY" for source in arg.split()[:-1]}
+    for source in ("kvservice", "server", "client", "pyproject.toml", "README.md"):
+        assert source in copied and (ROOT / source).exists(), source
+    # Not root; the health check is a command our own CLI accepts.
+    (user,) = [arg for kind, arg in instructions if kind == "USER"]
+    assert not user.startswith(("0", "root"))
+    (healthcheck,) = [arg for kind, arg in instructions if kind == "HEALTHCHECK"]
+    command = healthcheck.split(" CMD ", 1)[1].split(" || ")[0].replace('"', "").split()
+    assert command[0] == "kvservice"
+    parsed = build_parser("health").parse_args(command[1:])
+    assert parsed.command == "health" and parsed.target == "127.0.0.1:${KVSERVICE_PORT}"
 
 
 # ---------------------------------------------------------------- the commands, run

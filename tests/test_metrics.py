@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import pytest_asyncio
+from conftest import local_cluster
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvservice.client.client import KVServiceClient
@@ -45,7 +46,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster() -> AsyncIterator[LocalCluster]:
-    async with LocalCluster("tiny", worker_args=WORKER_ARGS, proxy_args=("--metrics-port", "0", "--health-interval", "0.2")) as c:
+    async with local_cluster("tiny", worker_args=WORKER_ARGS, proxy_args=("--metrics-port", "0", "--health-interval", "0.2")) as c:
         yield c
 
 

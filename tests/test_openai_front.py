@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import openai
 import pytest
 import pytest_asyncio
+from conftest import local_cluster
 
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
@@ -25,7 +26,7 @@ WORKER_ARGS = ("--num-threads", "1", "--num-blocks", "64", "--max-model-len", "1
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster() -> AsyncIterator[LocalCluster]:
     proxy_args = ("--http-port", "0", "--served-model-name", MODEL, "--health-interval", "0.2")
-    async with LocalCluster(MODEL, worker_args=WORKER_ARGS, proxy_args=proxy_args) as c:
+    async with local_cluster(MODEL, worker_args=WORKER_ARGS, proxy_args=proxy_args) as c:
         yield c
 
 

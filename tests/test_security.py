@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import pytest_asyncio
+from conftest import local_cluster
 
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
@@ -103,7 +104,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TLSFiles]:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster(pki: dict[str, TLSFiles]) -> AsyncIterator[LocalCluster]:
     tls = pki["server"].to_args()
-    async with LocalCluster(
+    async with local_cluster(
         "tiny", num_prefill=1, num_decode=1, worker_args=[*WORKER_ARGS, *tls], proxy_args=[*tls, "--auth-token", TOKEN, "--http-port", "0"],
         client_credentials=pki["client"].channel_credentials(), grace_period=2,
     ) as c:
@@ -124,7 +125,7 @@ async def greedy(client: KVServiceClient) -> list[list[int]]:
 async def test_greedy_over_mutual_tls_matches_plain_colocated(cluster: LocalCluster, pki: dict[str, TLSFiles]) -> None:
     async with KVServiceClient(cluster.address, pki["client"].channel_credentials(), TOKEN) as client:
         over_tls = await greedy(client)
-    async with LocalCluster("tiny", colocated=True, worker_args=WORKER_ARGS, grace_period=2) as plain:
+    async with local_cluster("tiny", colocated=True, worker_args=WORKER_ARGS, grace_period=2) as plain:
         async with KVServiceClient(plain.address) as client:
             expected = await greedy(client)
     assert over_tls == expected

@@ -16,18 +16,17 @@ import pathlib
 import re
 import signal
 import sys
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import pytest
 import pytest_asyncio
+from conftest import is_idle, local_cluster, wait_for_stats, wait_until_idle
 from hf_models import VOCAB_SIZE, hf_greedy, random_prompts
 
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import WORKER_ENV, LocalCluster
 from kvservice.v1 import kvservice_pb2 as pb
-from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -53,52 +52,6 @@ PROXY_EXIT_DEADLINE = 10.0
 
 
 # ---------------------------------------------------------------- helpers
-
-
-async def worker_stats(address: str) -> pb.StatsResponse:
-    """A prefill or decode worker's own Stats (Worker.Stats: workers do not serve Generation)."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        return await pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=10)
-
-
-async def all_worker_stats(addresses: Sequence[str]) -> dict[str, pb.StatsResponse]:
-    stats = await asyncio.gather(*(worker_stats(a) for a in addresses))
-    return dict(zip(addresses, stats))
-
-
-async def wait_for_stats(
-    addresses: Sequence[str], condition: Callable[[dict[str, pb.StatsResponse]], bool], what: str,
-    timeout: float = RELEASE_DEADLINE,
-) -> dict[str, pb.StatsResponse]:
-    """Re-poll the workers' Stats until `condition` holds: a readiness wait with a deadline.
-
-    The client sees the end of a stream a moment before the engine's step thread has
-    freed the request's blocks; nothing else announces that moment.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = await all_worker_stats(addresses)
-        if condition(stats):
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} within {timeout:.0f} s: {stats}")
-        await asyncio.sleep(0.05)  # polling period of a readiness wait
-
-
-def is_idle(stats: dict[str, pb.StatsResponse]) -> bool:
-    return all(
-        s.num_blocks_free == s.num_blocks_total
-        and s.num_running_requests == 0
-        and s.num_waiting_requests == 0
-        and s.num_waiting_for_remote_kv == 0
-        and s.kv_sending.staging_bytes_in_use == 0
-        for s in stats.values()
-    )
-
-
-async def wait_until_idle(addresses: Sequence[str], timeout: float = RELEASE_DEADLINE) -> dict[str, pb.StatsResponse]:
-    """Every block free, nothing queued, no staged KV: on every worker in `addresses`."""
-    return await wait_for_stats(addresses, is_idle, "idle (all blocks free, staging empty)", timeout)
 
 
 async def settle(addresses: Sequence[str]) -> dict[str, pb.StatsResponse]:
@@ -175,7 +128,7 @@ def expected(llama_dir: pathlib.Path, prompts: list[list[int]]) -> list[list[int
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster(llama_dir: pathlib.Path) -> AsyncIterator[LocalCluster]:
     """1 prefill + 2 decode workers and a proxy, shared by the module's tests."""
-    async with LocalCluster(str(llama_dir), num_prefill=1, num_decode=2, worker_args=WORKER_ARGS) as c:
+    async with local_cluster(str(llama_dir), num_prefill=1, num_decode=2, worker_args=WORKER_ARGS) as c:
         yield c
 
 
@@ -203,14 +156,14 @@ async def test_1p2d_matches_colocated_and_transformers(
 ) -> None:
     before = await settle(worker_addresses)
     disaggregated = await greedy_outputs(cluster.address, prompts)
-    async with LocalCluster(str(llama_dir), colocated=True, worker_args=WORKER_ARGS) as colocated_cluster:
+    async with local_cluster(str(llama_dir), colocated=True, worker_args=WORKER_ARGS) as colocated_cluster:
         colocated = await greedy_outputs(colocated_cluster.address, prompts)
 
     assert colocated == expected
     assert disaggregated == expected
     # The KV really travelled (no recompute): one transfer per request, and both decode
     # workers took part.
-    after = await wait_until_idle(worker_addresses)
+    after = await wait_until_idle(worker_addresses, RELEASE_DEADLINE)
     for address in cluster.decode_addresses:
         received, was = after[address].kv_receiving, before[address].kv_receiving
         assert received.num_transfers > was.num_transfers, address
@@ -226,7 +179,7 @@ async def test_1p1d_matches_transformers(
     before = (await settle(worker_addresses))[decode].kv_receiving
     async with proxy(cluster.prefill_addresses, [decode]) as (address, _):
         assert await greedy_outputs(address, prompts) == expected
-    after = (await wait_until_idle(worker_addresses))[decode].kv_receiving
+    after = (await wait_until_idle(worker_addresses, RELEASE_DEADLINE))[decode].kv_receiving
     assert after.num_transfers - before.num_transfers == len(prompts)
     assert after.num_bytes > before.num_bytes
     assert after.num_failed_transfers == before.num_failed_transfers
@@ -239,7 +192,7 @@ async def test_degraded_without_prefill_matches_transformers(
     before = await settle(worker_addresses)
     async with proxy([], cluster.decode_addresses) as (address, _):
         assert await greedy_outputs(address, prompts) == expected
-    after = await wait_until_idle(worker_addresses)
+    after = await wait_until_idle(worker_addresses, RELEASE_DEADLINE)
     # Nothing was transferred: the decode workers computed the prompts themselves.
     assert num_transfers(after, cluster.decode_addresses) == num_transfers(before, cluster.decode_addresses)
 
@@ -264,7 +217,7 @@ async def test_50_concurrent_streams_complete_and_free_everything(cluster: Local
         results = await asyncio.gather(*(one(client, p, n) for p, n in requests))
     assert results == [(n, "length") for _, n in requests]
 
-    stats = await wait_until_idle(worker_addresses)
+    stats = await wait_until_idle(worker_addresses, RELEASE_DEADLINE)
     for address, s in stats.items():
         assert s.num_blocks_total > 0, address
         assert s.num_blocks_free == s.num_blocks_total, address
@@ -290,7 +243,7 @@ async def test_cancelled_request_frees_blocks_everywhere(cluster: LocalCluster, 
             before[a].num_aborted_requests for a in cluster.decode_addresses
         )
 
-    await wait_for_stats(worker_addresses, lambda s: aborted_on_decode(s) and is_idle(s), "aborted on decode and idle")
+    await wait_for_stats(worker_addresses, lambda s: aborted_on_decode(s) and all(map(is_idle, s.values())), "aborted on decode and idle", RELEASE_DEADLINE)
 
 
 BAD_REQUESTS = [
@@ -326,7 +279,7 @@ async def test_bad_input_leaks_nothing(cluster: LocalCluster, worker_addresses: 
     async with KVServiceClient(cluster.address) as client:
         with pytest.raises(grpc.aio.AioRpcError):
             await client.complete(list(range(1, MAX_MODEL_LEN + 2)), timeout=RPC_TIMEOUT, max_tokens=4)
-    await wait_until_idle(worker_addresses)
+    await wait_until_idle(worker_addresses, RELEASE_DEADLINE)
 
 
 async def test_stats_command_on_a_worker(cluster: LocalCluster) -> None:
@@ -345,7 +298,7 @@ async def test_stats_command_on_a_worker(cluster: LocalCluster) -> None:
 async def test_sigterm_drains_in_flight_request(llama_dir: pathlib.Path) -> None:
     """SIGTERM to the decode worker mid-stream: the stream still ends with every token; exit 0."""
     max_tokens = 256
-    async with LocalCluster(str(llama_dir), num_prefill=1, num_decode=1, worker_args=WORKER_ARGS) as c:
+    async with local_cluster(str(llama_dir), num_prefill=1, num_decode=1, worker_args=WORKER_ARGS) as c:
         decode = c.child("decode-0").process
         async with KVServiceClient(c.address) as client:
             num_before = num_after = 0
@@ -380,7 +333,7 @@ async def test_proxy_sigterm_drains_and_exits_0(cluster: LocalCluster, worker_ad
                 finish_reason = chunk.finish_reason or finish_reason
         assert (num_tokens, finish_reason) == (max_tokens, "length")
         assert await asyncio.wait_for(process.wait(), PROXY_EXIT_DEADLINE) == 0
-    await wait_until_idle(worker_addresses)
+    await wait_until_idle(worker_addresses, RELEASE_DEADLINE)
 
 
 async def test_unknown_model_path_exits_2(tmp_path: pathlib.Path) -> None:

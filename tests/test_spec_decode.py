@@ -8,6 +8,7 @@ import pathlib
 
 import pytest
 import torch
+from conftest import local_cluster
 from hf_models import random_prompts, save_random_model
 from safetensors.torch import load_file, save_file
 from test_connector_lifecycle import RecordingConnector
@@ -181,7 +182,6 @@ async def test_disaggregated_speculative_greedy_equals_plain_and_frees_everythin
     """1P1D with a draft model on the workers: the decode worker recomputes the draft's KV
     after the pull and speculates; the output equals plain greedy; every block is freed."""
     from kvservice.client.client import KVServiceClient
-    from kvservice.client.cluster import LocalCluster
     from kvservice.v1 import kvservice_pb2 as pb
     from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
@@ -189,7 +189,7 @@ async def test_disaggregated_speculative_greedy_equals_plain_and_frees_everythin
     prompts = random_prompts([7, 33], seed=11)
     plain = LLM(str(target), **ENGINE).generate(prompts, GREEDY)
     worker_args = ["--num-blocks", "64", "--num-threads", "1", "--draft-model", str(draft), "--num-speculative-tokens", "3"]
-    async with LocalCluster(str(target), 1, 1, worker_args=worker_args) as cluster:
+    async with local_cluster(str(target), num_prefill=1, num_decode=1, worker_args=worker_args) as cluster:
         async with KVServiceClient(cluster.address) as client:
             for prompt, expected in zip(prompts, plain):
                 out = await client.complete(prompt, max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True)

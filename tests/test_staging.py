@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvservice.connector.staging import StagingBuffer, StagingPool
+from kvservice.kv_cache_manager import cdiv
 
 ALIGN = 256  # reservations are rounded up to this many bytes
 
@@ -128,7 +129,7 @@ def test_random_reserve_release_is_first_fit_bounded_and_disjoint(ops: list[tupl
     live: list[StagingBuffer] = []
     for is_reserve, num_bytes, pick in ops:
         if is_reserve or not live:
-            size = max(ALIGN, -(-num_bytes // ALIGN) * ALIGN)
+            size = max(ALIGN, cdiv(num_bytes, ALIGN) * ALIGN)
             expected = _first_fit_offset(live, capacity, size)
             buffer = pool.reserve(num_bytes)
             if expected is None:

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from kvservice.v1 import kvservice_pb2 as pb
+
 _MS_PER_S = 1000.0
 GOODPUT_METRICS = ("ttft", "ttst", "tpot", "e2el")
 
@@ -38,6 +40,7 @@ class RequestRecord:
     end: float = 0.0
     success: bool = False
     error: str = ""
+    text: str = ""  # the streamed text, where the backend sends text
 
     @property
     def ttft(self) -> float | None:
@@ -266,3 +269,73 @@ def format_report(metrics: BenchmarkMetrics, extra_lines: Sequence[tuple[str, st
         lines.append(_row(f"P99 {short} (ms):", stats.p99_ms))
     lines.append("=" * _BANNER_WIDTH)
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- KV transfer figures
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferTotals:
+    """Decode-side (`kv_receiving`) counters; `has_receiver` is False for colocated servers."""
+
+    has_receiver: bool
+    num_transfers: int = 0
+    num_failed_transfers: int = 0
+    num_bytes: int = 0
+    total_seconds: float = 0.0
+
+    @classmethod
+    def from_stats(cls, stats: pb.StatsResponse) -> KVTransferTotals:
+        """A decode worker's own counters, or (for a proxy) the sum over its decode workers."""
+        sources = [w.stats for w in stats.workers] if stats.workers else [stats]
+        receivers = [s.kv_receiving for s in sources if s.role == "decode"]
+        return cls(
+            has_receiver=bool(receivers),
+            num_transfers=sum(r.num_transfers for r in receivers),
+            num_failed_transfers=sum(r.num_failed_transfers for r in receivers),
+            num_bytes=sum(r.num_bytes for r in receivers),
+            total_seconds=sum((r.total_seconds for r in receivers), 0.0),
+        )
+
+    def since(self, before: KVTransferTotals) -> KVTransferTotals:
+        return KVTransferTotals(
+            has_receiver=self.has_receiver,
+            num_transfers=self.num_transfers - before.num_transfers,
+            num_failed_transfers=self.num_failed_transfers - before.num_failed_transfers,
+            num_bytes=self.num_bytes - before.num_bytes,
+            total_seconds=self.total_seconds - before.total_seconds,
+        )
+
+    def to_result_json(self) -> dict[str, Any]:
+        """GB/s is bytes over summed transfer seconds; None where nothing was transferred.
+
+        A pull's seconds run from its start to its last chunk, and pulls start while
+        the prefill still computes: GB/s here is what the requests saw, not link speed.
+        """
+        has_time = self.num_transfers > 0 and self.total_seconds > 0
+        return {
+            "kv_transfer_bytes": self.num_bytes,
+            "kv_transfer_count": self.num_transfers,
+            "kv_transfer_failures": self.num_failed_transfers,
+            "kv_transfer_seconds": self.total_seconds,
+            "kv_transfer_gbps": self.num_bytes / self.total_seconds / 1e9 if has_time else None,
+            "kv_transfer_mean_ms": self.total_seconds / self.num_transfers * 1000 if has_time else None,
+            "kv_transfer_has_receiver": self.has_receiver,
+        }
+
+
+def kv_transfer_report_lines(extra: dict[str, Any]) -> list[tuple[str, object]]:
+    """Rows for `format_report` from `KVTransferTotals.to_result_json` keys."""
+    if not extra.get("kv_transfer_has_receiver"):
+        return [("KV transfers:", "none (no decode worker)")]
+    lines: list[tuple[str, object]] = [
+        ("KV transfers (failed):", f"{extra['kv_transfer_count']} ({extra['kv_transfer_failures']})"),
+        ("KV bytes transferred (MiB):", extra["kv_transfer_bytes"] / (1 << 20)),
+    ]
+    if extra["kv_transfer_gbps"] is not None:
+        lines.append(("KV transfer throughput (GB/s):", f"{extra['kv_transfer_gbps']:.3f}"))
+        lines.append(("Mean KV transfer time (ms):", extra["kv_transfer_mean_ms"]))
+    return lines
+
+
+# ---------------------------------------------------------------- progress

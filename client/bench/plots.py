@@ -42,7 +42,8 @@ def _plot_cdf(ax: Axes, title: str, values_s: Sequence[float]) -> None:
     ax.set_ylim(0.0, 1.02)
 
 
-def _write_latency_cdfs(records: Sequence[RequestRecord], path: Path) -> Path:
+def latency_cdf_figure(records: Sequence[RequestRecord]) -> Figure:
+    """Four CDF panels (TTFT, TTST, TPOT, E2EL) over the successful requests."""
     ok = [r for r in records if r.success]
     fig = Figure(figsize=(10, 7), layout="constrained")
     axes = fig.subplots(2, 2)
@@ -55,10 +56,11 @@ def _write_latency_cdfs(records: Sequence[RequestRecord], path: Path) -> Path:
     for ax, (title, values) in zip(axes.flat, series):
         _plot_cdf(ax, title, [v for v in values if v is not None])
     fig.suptitle(f"Latency CDFs ({len(ok)} successful requests)")
-    return _save(fig, path)
+    return fig
 
 
-def _write_timeline(records: Sequence[RequestRecord], path: Path) -> Path:
+def timeline_figure(records: Sequence[RequestRecord]) -> Figure:
+    """One bar per request (send..end) with its first and second token marked."""
     height = min(40.0, 2.0 + 0.12 * len(records))
     fig = Figure(figsize=(10, height), layout="constrained")
     ax = fig.subplots()
@@ -89,7 +91,7 @@ def _write_timeline(records: Sequence[RequestRecord], path: Path) -> Path:
     )
     ax.invert_yaxis()
     ax.grid(True, axis="x", alpha=0.3)
-    return _save(fig, path)
+    return fig
 
 
 def write_plots(records: Sequence[RequestRecord], out_dir: str | Path) -> list[Path]:
@@ -97,8 +99,8 @@ def write_plots(records: Sequence[RequestRecord], out_dir: str | Path) -> list[P
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     return [
-        _write_latency_cdfs(records, out / "latency_cdf.png"),
-        _write_timeline(records, out / "request_timeline.png"),
+        _save(latency_cdf_figure(records), out / "latency_cdf.png"),
+        _save(timeline_figure(records), out / "request_timeline.png"),
     ]
 
 
@@ -119,6 +121,14 @@ def _grouped_bars(ax: Axes, names: list[str], groups: dict[str, list[float]], ti
 
 
 def write_compare_plot(results: dict[str, dict[str, Any]], out_dir: str | Path) -> Path:
+    """`compare_figure(results)` as `compare.png` in `out_dir`."""
+    figure = compare_figure(results)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return _save(figure, out / "compare.png")
+
+
+def compare_figure(results: dict[str, dict[str, Any]]) -> Figure:
     """Bar charts of mean/p99 TTFT, TTST, TPOT and throughput per named deployment.
 
     `results` maps a deployment name (e.g. "colocated", "disaggregated") to its
@@ -126,8 +136,6 @@ def write_compare_plot(results: dict[str, dict[str, Any]], out_dir: str | Path) 
     """
     if not results:
         raise ValueError("results must name at least one deployment")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     names = list(results)
     fig = Figure(figsize=(14, 4), layout="constrained")
     axes = fig.subplots(1, len(_COMPARE_LATENCIES) + 1)
@@ -142,4 +150,4 @@ def write_compare_plot(results: dict[str, dict[str, Any]], out_dir: str | Path) 
     }
     _grouped_bars(axes[-1], names, throughput, "Output throughput (tok/s)")
     fig.suptitle(" vs ".join(names))
-    return _save(fig, out / "compare.png")
+    return fig

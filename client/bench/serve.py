@@ -21,7 +21,6 @@ import secrets
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,11 +30,14 @@ import grpc
 from kvservice.client.bench.metrics import (
     GOODPUT_METRICS,
     BenchmarkMetrics,
+    KVTransferTotals,
     RequestRecord,
     compute_metrics,
     format_report,
+    kv_transfer_report_lines,
     metrics_to_result_json,
 )
+from kvservice.client.bench.record import record_grpc_request
 from kvservice.client.bench.workload import (
     SampledRequest,
     random_requests,
@@ -44,81 +46,10 @@ from kvservice.client.bench.workload import (
 )
 from kvservice.client.client import KVServiceClient
 from kvservice.tls import TLSFiles, add_tls_arguments
-from kvservice.v1 import kvservice_pb2 as pb
 
 # Byte ids only: valid for the `tiny` model (vocabulary 320) and any real tokenizer.
 DEFAULT_VOCAB_SIZE = 256
 DEFAULT_NUM_PROMPTS = 100
-
-
-# ---------------------------------------------------------------- KV transfer figures
-
-
-@dataclass(frozen=True, slots=True)
-class KVTransferTotals:
-    """Decode-side (`kv_receiving`) counters; `has_receiver` is False for colocated servers."""
-
-    has_receiver: bool
-    num_transfers: int = 0
-    num_failed_transfers: int = 0
-    num_bytes: int = 0
-    total_seconds: float = 0.0
-
-    @classmethod
-    def from_stats(cls, stats: pb.StatsResponse) -> KVTransferTotals:
-        """A decode worker's own counters, or (for a proxy) the sum over its decode workers."""
-        sources = [w.stats for w in stats.workers] if stats.workers else [stats]
-        receivers = [s.kv_receiving for s in sources if s.role == "decode"]
-        return cls(
-            has_receiver=bool(receivers),
-            num_transfers=sum(r.num_transfers for r in receivers),
-            num_failed_transfers=sum(r.num_failed_transfers for r in receivers),
-            num_bytes=sum(r.num_bytes for r in receivers),
-            total_seconds=sum((r.total_seconds for r in receivers), 0.0),
-        )
-
-    def since(self, before: KVTransferTotals) -> KVTransferTotals:
-        return KVTransferTotals(
-            has_receiver=self.has_receiver,
-            num_transfers=self.num_transfers - before.num_transfers,
-            num_failed_transfers=self.num_failed_transfers - before.num_failed_transfers,
-            num_bytes=self.num_bytes - before.num_bytes,
-            total_seconds=self.total_seconds - before.total_seconds,
-        )
-
-    def to_result_json(self) -> dict[str, Any]:
-        """GB/s is bytes over summed transfer seconds; None where nothing was transferred.
-
-        A pull's seconds run from its start to its last chunk, and pulls start while
-        the prefill still computes: GB/s here is what the requests saw, not link speed.
-        """
-        has_time = self.num_transfers > 0 and self.total_seconds > 0
-        return {
-            "kv_transfer_bytes": self.num_bytes,
-            "kv_transfer_count": self.num_transfers,
-            "kv_transfer_failures": self.num_failed_transfers,
-            "kv_transfer_seconds": self.total_seconds,
-            "kv_transfer_gbps": self.num_bytes / self.total_seconds / 1e9 if has_time else None,
-            "kv_transfer_mean_ms": self.total_seconds / self.num_transfers * 1000 if has_time else None,
-            "kv_transfer_has_receiver": self.has_receiver,
-        }
-
-
-def kv_transfer_report_lines(extra: dict[str, Any]) -> list[tuple[str, object]]:
-    """Rows for `format_report` from `KVTransferTotals.to_result_json` keys."""
-    if not extra.get("kv_transfer_has_receiver"):
-        return [("KV transfers:", "none (no decode worker)")]
-    lines: list[tuple[str, object]] = [
-        ("KV transfers (failed):", f"{extra['kv_transfer_count']} ({extra['kv_transfer_failures']})"),
-        ("KV bytes transferred (MiB):", extra["kv_transfer_bytes"] / (1 << 20)),
-    ]
-    if extra["kv_transfer_gbps"] is not None:
-        lines.append(("KV transfer throughput (GB/s):", f"{extra['kv_transfer_gbps']:.3f}"))
-        lines.append(("Mean KV transfer time (ms):", extra["kv_transfer_mean_ms"]))
-    return lines
-
-
-# ---------------------------------------------------------------- progress
 
 
 class _Progress(Protocol):
@@ -157,34 +88,11 @@ def _progress(total: int, disable: bool) -> _Progress:
 async def _send(
     client: KVServiceClient, request: SampledRequest, request_id: str, timeout: float | None
 ) -> RequestRecord:
-    """One streamed request; every token of a chunk gets that chunk's arrival time."""
     prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
     assert prompt is not None
-    record = RequestRecord(request_id, prompt_len=request.prompt_len, start=time.perf_counter())
-    finish_reason = None
-    try:
-        async for chunk in client.generate(
-            prompt,
-            timeout=timeout,
-            request_id=request_id,
-            max_tokens=request.expected_output_len,
-            temperature=0.0,
-            ignore_eos=True,
-        ):
-            now = time.perf_counter()
-            record.token_times.extend([now] * len(chunk.token_ids))
-            record.output_len += len(chunk.token_ids)
-            finish_reason = chunk.finish_reason or finish_reason
-            if chunk.num_prompt_tokens:
-                record.prompt_len = chunk.num_prompt_tokens  # the server's count is the truth
-        record.success = finish_reason in ("length", "stop")
-        if not record.success:
-            record.error = f"stream ended with finish_reason={finish_reason}"
-    except grpc.aio.AioRpcError as e:
-        record.error = f"{e.code().name}: {e.details()}"
-    finally:
-        record.end = time.perf_counter()
-    return record
+    return await record_grpc_request(
+        client, prompt, request_id, max_tokens=request.expected_output_len, prompt_len=request.prompt_len, timeout=timeout
+    )
 
 
 async def _warm_up(client: KVServiceClient, requests: Sequence[SampledRequest], num_warmups: int, timeout: float | None) -> None:

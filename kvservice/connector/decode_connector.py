@@ -26,12 +26,12 @@ import torch
 from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN, KVConnectorBase
 from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
-from kvservice.connector.transfer_stats import TransferStats
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.outputs import (
     KVConnectorMetadata,
     KVConnectorStats,
     KVConnectorWorkerMeta,
+    KVTransferCounters,
     SchedulerOutput,
 )
 from kvservice.request import Request, RequestStatus
@@ -79,7 +79,7 @@ class DecodeKVConnector(KVConnectorBase):
         self.transfer_timeout = transfer_timeout
         self.channel_credentials = channel_credentials
         self.on_load_done = on_load_done
-        self.stats = TransferStats()
+        self.stats = KVTransferCounters()
         self._kv_caches: list[torch.Tensor] = []
         self._new_loads: list[LoadSpec] = []  # scheduler side, until the next metadata
         self._loading: dict[str, LoadSpec] = {}  # engine thread: loads started, not yet reported
@@ -107,7 +107,7 @@ class DecodeKVConnector(KVConnectorBase):
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         assert params is not None
-        num_blocks = -(-num_external_tokens // self.layout.block_size)
+        num_blocks = self.layout.num_blocks_for(num_external_tokens)
         self._new_loads.append(
             LoadSpec(
                 request_id=request.request_id,

@@ -17,8 +17,8 @@ import torch
 
 from kvservice.connector import wire
 from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
-from kvservice.connector.transfer_stats import TransferStats
 from kvservice.kv_cache import KVCacheLayout
+from kvservice.outputs import KVTransferCounters
 from kvservice.v1 import kvservice_pb2 as pb
 
 _MIN_RUN_BYTES = 32 << 10  # average bytes per run (K and V) below which index_copy_ is as fast
@@ -46,7 +46,7 @@ async def pull_kv(
     kv_caches: list[torch.Tensor],
     layout: KVCacheLayout,
     timeout: float,
-    stats: TransferStats,
+    stats: KVTransferCounters,
 ) -> LoadResult:
     """Pull one transfer; failures come back as a LoadResult with `error`, never raised."""
     request = pb.PullKVRequest(

@@ -22,8 +22,8 @@ from kvservice.connector.transfer_registry import (
     TransferRegistry,
     TransferState,
 )
-from kvservice.connector.transfer_stats import TransferStats
 from kvservice.kv_cache import KVCacheLayout
+from kvservice.outputs import KVTransferCounters
 from kvservice.v1 import kvservice_pb2 as pb
 
 PULL_KV_METHOD = "/kvservice.v1.KVTransfer/PullKV"
@@ -49,7 +49,7 @@ class KVTransferService:
     def __init__(self, registry: TransferRegistry, registration_timeout: float = 30.0) -> None:
         self.registry = registry
         self.registration_timeout = registration_timeout
-        self.stats = TransferStats()
+        self.stats = KVTransferCounters()
         layout = registry.layout
         self._dtype = wire.dtype_name(layout.dtype)
         self._corrupt_every = int(os.environ.get(FAULT_CORRUPT_CHUNK_EVERY, "0"))

@@ -28,6 +28,7 @@ from kvservice.connector.transfer_registry import (
     TransferRegistry,
 )
 from kvservice.kv_cache import KVCacheLayout
+from kvservice.kv_cache_manager import cdiv
 from kvservice.outputs import (
     KVConnectorMetadata,
     KVConnectorStats,
@@ -121,7 +122,7 @@ class PrefillKVConnector(KVConnectorBase):
             staged = self._num_staged_blocks.setdefault(request.request_id, 0)
             end = min(request.num_computed_tokens + item.num_new_tokens, request.num_prompt_tokens)
             # Full blocks are final; the last, partial block is final once the prompt is done.
-            upto = -(-end // bs) if end == request.num_prompt_tokens else end // bs
+            upto = cdiv(end, bs) if end == request.num_prompt_tokens else end // bs
             if upto > staged:
                 meta.saves.append(SaveSpec(request.request_id, staged, item.block_ids[staged:upto]))
                 self._num_staged_blocks[request.request_id] = upto

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvservice.kv_cache_manager import cdiv
+
 _ALIGN = 256
 
 
@@ -45,7 +47,7 @@ class StagingPool:
 
     def reserve(self, num_bytes: int) -> StagingBuffer | None:
         """A buffer of at least `num_bytes`, or None if no free range is large enough."""
-        size = max(_ALIGN, -(-num_bytes // _ALIGN) * _ALIGN)
+        size = max(_ALIGN, cdiv(num_bytes, _ALIGN) * _ALIGN)
         with self._lock:
             for i, length in enumerate(self._free_lengths):
                 if length >= size:

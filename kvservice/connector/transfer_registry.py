@@ -93,14 +93,14 @@ class TransferRegistry:
         self.on_release: Callable[[StagedTransfer], None] | None = None
 
     def transfer_bytes(self, num_tokens: int) -> int:
-        num_blocks = -(-num_tokens // self.layout.block_size)
+        num_blocks = self.layout.num_blocks_for(num_tokens)
         return num_blocks * self.layout.bytes_per_block
 
     # ------------------------------------------------------------ registration (server loop)
 
     def register(self, request_id: str, token: bytes, num_tokens: int) -> StagedTransfer:
         """Reserve staging for a prompt's KV. Raises StagingExhausted when it does not fit now."""
-        num_blocks = -(-num_tokens // self.layout.block_size)
+        num_blocks = self.layout.num_blocks_for(num_tokens)
         num_bytes = num_blocks * self.layout.bytes_per_block
         if not self.pool.fits(num_bytes):
             raise StagingExhausted(

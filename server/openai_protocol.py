@@ -1,0 +1,144 @@
+"""The OpenAI-compatible API as data: request bodies parsed into the proxy's protobuf
+requests, usage and error bodies built, HTTP statuses chosen. Pure: no aiohttp, no I/O,
+so every rule here is tested without a server (the routes live in `openai_front`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvservice.server.errors import message_for, status_for
+from kvservice.v1 import kvservice_pb2 as pb
+
+DEFAULT_MAX_TOKENS = 16
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 429: "rate_limit_error"}
+
+
+class OpenAIError(Exception):
+    """An error answered as it is (e.g. 404 for an unknown model)."""
+
+    def __init__(self, http_status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.http_status = http_status
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    generate_request: pb.GenerateRequest
+    stream: bool
+    include_usage: bool
+
+
+def parse_completion_request(body: Any, request_id: str, model_name: str) -> CompletionRequest:
+    """A `/v1/completions` body as the proxy's `GenerateRequest`; ValueError or OpenAIError names the field."""
+    if not isinstance(body, dict):
+        raise ValueError("request body: expected a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise OpenAIError(404, f"The model `{model}` does not exist (this server serves `{model_name}`)", "model", "model_not_found")
+    for name, allowed in (("n", 1), ("best_of", 1)):
+        if body.get(name) not in (None, allowed):
+            raise ValueError(f"{name}: only {allowed} is supported")
+    for name in ("echo", "suffix", "logprobs"):
+        if body.get(name) not in (None, False):
+            raise ValueError(f"{name}: not supported")
+    generate_request = pb.GenerateRequest(request_id=request_id)
+    prompt = _prompt(body.get("prompt"))
+    if isinstance(prompt, str):
+        generate_request.text = prompt
+    else:
+        generate_request.token_ids.ids.extend(prompt)
+    sp = generate_request.sampling_params
+    sp.max_tokens = _optional(body, "max_tokens", int, DEFAULT_MAX_TOKENS)
+    for name in ("temperature", "top_p"):
+        if body.get(name) is not None:
+            setattr(sp, name, _optional(body, name, float, 0.0))
+    for name in ("seed", "top_k"):
+        if body.get(name) is not None:
+            setattr(sp, name, _optional(body, name, int, 0))
+    sp.ignore_eos = _optional(body, "ignore_eos", bool, False)
+    sp.stop_token_ids.extend(_stop_token_ids(body.get("stop"), "stop"))
+    sp.stop_token_ids.extend(_stop_token_ids(body.get("stop_token_ids"), "stop_token_ids"))
+    stream = _optional(body, "stream", bool, False)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ValueError("stream_options: expected an object")
+    return CompletionRequest(generate_request, stream, bool(options.get("include_usage", False)))
+
+
+def _prompt(value: Any) -> str | list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one prompt
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("prompt: empty")
+        return value
+    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+        return value
+    raise ValueError("prompt: expected a string or a non-empty list of token ids (one prompt per request)")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = _is_int(value)
+    else:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        raise ValueError(f"{name}: expected {kind.__name__}, got {value!r}")
+    return kind(value)
+
+
+def _stop_token_ids(value: Any, name: str) -> list[int]:
+    if value is None:
+        return []
+    if _is_int(value):
+        return [value]
+    if isinstance(value, list) and all(_is_int(t) for t in value):
+        return value
+    raise ValueError(f"{name}: only token ids are supported (an int or a list of ints), got {value!r}")
+
+
+def usage(result: pb.CompleteResponse) -> dict[str, int]:
+    completion = len(result.token_ids)
+    return {"prompt_tokens": result.num_prompt_tokens, "completion_tokens": completion,
+            "total_tokens": result.num_prompt_tokens + completion}
+
+
+def error_body(error: BaseException) -> tuple[int, dict[str, Any]]:
+    if isinstance(error, OpenAIError):
+        http_status, param, code = error.http_status, error.param, error.code
+    else:
+        grpc_status = status_for(error)
+        http_status, param, code = HTTP_STATUS.get(grpc_status, 500), None, grpc_status.name.lower()
+    kind = ERROR_TYPES.get(http_status, "invalid_request_error" if http_status < 500 else "server_error")
+    message = str(error) if isinstance(error, OpenAIError) else message_for(error)
+    return http_status, {"message": message, "type": kind, "param": param, "code": code}
