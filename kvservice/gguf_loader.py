@@ -9,6 +9,7 @@ can dequantize loads; anything else fails with a one-line `ModelLoadError` namin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pathlib
 import re
@@ -23,6 +24,7 @@ from kvservice.config import ModelConfig
 from kvservice.model_loader import ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
+ROPE_FREQS = "rope_freqs.weight"  # consumed by the config, not a weight
 
 # blk.N.<name> -> model.layers.N.<hf name>
 _LAYER_TENSORS = {
@@ -91,7 +93,7 @@ def gguf_model_config(file: GGUFFile) -> ModelConfig:
     if embed is None:
         raise ModelLoadError(f"model {str(file.path)!r}: missing tensor token_embd.weight")
     try:
-        return ModelConfig.from_gguf_metadata(
+        config = ModelConfig.from_gguf_metadata(
             file.metadata,
             vocab_size=int(embed.shape[1]),  # ggml order: [hidden, vocab]
             tie_word_embeddings=file.tensor("output.weight") is None,
@@ -100,6 +102,17 @@ def gguf_model_config(file: GGUFFile) -> ModelConfig:
         raise ModelLoadError(f"model {str(file.path)!r}: GGUF metadata lacks {e}") from e
     except ValueError as e:
         raise ModelLoadError(f"model {str(file.path)!r}: {e}") from e
+    freqs = file.tensor(ROPE_FREQS)
+    if freqs is None:
+        return config
+    # Llama 3's rope scaling, as llama.cpp's converter stores it: a divisor per frequency.
+    factors = dequantize_tensor(freqs, torch.float32).flatten().tolist()
+    if len(factors) != config.head_dim // 2 or config.rope_scaling is not None:
+        raise ModelLoadError(
+            f"model {str(file.path)!r}: {ROPE_FREQS} holds {len(factors)} factors for head_dim {config.head_dim}"
+            + ("" if config.rope_scaling is None else " and the metadata sets rope scaling too")
+        )
+    return dataclasses.replace(config, rope_scaling={"rope_type": "freq_factors", "factors": tuple(factors)})
 
 
 def gguf_model_name(file: GGUFFile) -> str:
@@ -111,6 +124,8 @@ def gguf_state_dict(file: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> 
     """Every tensor dequantized to `dtype`, under its Hugging Face name, q/k un-permuted for Llama."""
     state: dict[str, torch.Tensor] = {}
     for tensor in file.reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            continue
         hf_name = hf_tensor_name(tensor.name)
         if hf_name is None:
             raise ModelLoadError(f"model {str(file.path)!r}: unexpected tensor {tensor.name}")

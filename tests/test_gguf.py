@@ -299,6 +299,25 @@ def test_hf_directory_and_gguf_give_the_same_greedy_tokens(tmp_path: pathlib.Pat
     assert [o.token_ids for o in from_gguf] == [o.token_ids for o in from_dir] == expected
 
 
+def test_llama3_rope_scaling_as_rope_freqs(tmp_path: pathlib.Path, llama_dir: pathlib.Path) -> None:
+    # llama.cpp stores Llama 3's rope scaling as a tensor of per-frequency divisors, not as metadata.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
+    assert model.config.rope_parameters["rope_type"] == "llama3"
+    spec = spec_of(model.config, "llama")
+    head_dim = spec.hidden_size // spec.num_heads
+    plain = 1.0 / (spec.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    factors = (plain / model.model.rotary_emb.inv_freq).numpy().astype(np.float32)
+    assert factors.max() > 1.5  # the scaling changes some frequencies
+    path = write_gguf(tmp_path / "llama3.gguf", spec, model.state_dict(), extra_tensors={"rope_freqs.weight": factors})
+
+    assert load_model_config(str(path)).rope_scaling == {"rope_type": "freq_factors", "factors": tuple(factors.tolist())}
+    prompts = random_prompts((5, 40, 90))
+    outputs = LLM(str(path)).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+
+
 def test_without_unpermuting_the_output_would_differ(tmp_path: pathlib.Path) -> None:
     # Guards the test above: a file written without llama.cpp's permutation loads to other weights.
     hf_dir, model = tiny_hf_model("llama", tmp_path / "hf")
