@@ -31,6 +31,7 @@ SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 _CONTROL = 3
 _USER_DEFINED = 4
 
+_NAMED_SPECIAL_TOKENS = ("bos", "eos", "unknown", "padding")  # tokenizer.ggml.<name>_token_id
 _SPACE_PIECE = "\u2581"  # SentencePiece's ▁: a space inside a piece
 
 # Split regexes for the `tokenizer.ggml.pre` values whose vocabularies were not learned on
@@ -79,9 +80,10 @@ def gguf_tokenizer(file: GGUFFile) -> HFTokenizer | None:
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
 
-    special = {name: _token(tokens, meta.get(f"tokenizer.ggml.{name}_token_id")) for name in ("bos", "eos", "unknown", "padding")}
-    _add_special_tokens(backend, tokens, token_types, [t for t in special.values() if t is not None], byte_level=kind == "gpt2")
-    bos, eos = special["bos"], special["eos"]
+    named = {name: _token(tokens, meta.get(f"tokenizer.ggml.{name}_token_id")) for name in _NAMED_SPECIAL_TOKENS}
+    named_tokens = [t for t in named.values() if t is not None]
+    _add_special_tokens(backend, tokens, token_types, named_tokens, byte_level=kind == "gpt2")
+    bos, eos = named["bos"], named["eos"]
     backend.post_processor = _template(backend, bos if add_bos else None, eos if add_eos else None)
     config = TokenizerConfig(
         chat_template=meta.get("tokenizer.chat_template"), bos_token=bos, eos_token=eos, add_bos_token=None

@@ -203,7 +203,9 @@ def _read_safetensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _build_model(state: dict[str, torch.Tensor], config: ModelConfig, max_positions: int, path: pathlib.Path) -> CausalLM:
+def _build_model(
+    state: dict[str, torch.Tensor], config: ModelConfig, max_positions: int, path: pathlib.Path
+) -> CausalLM:
     """The model holding `state`, a checkpoint under Hugging Face's names (from safetensors or GGUF)."""
     state = fuse_checkpoint_weights(state, config.num_hidden_layers)
     with torch.device("meta"):

@@ -1,4 +1,4 @@
-"""Tokenizers: a `tokenizers.Tokenizer` (from `tokenizer.json` or built from GGUF metadata), or the built-in byte-level one."""
+"""Tokenizers: a `tokenizers.Tokenizer` (a `tokenizer.json`, or built from GGUF metadata), or the byte-level one."""
 
 from __future__ import annotations
 
@@ -103,7 +103,9 @@ class HFTokenizer(Tokenizer):
     template and special tokens) or a tokenizer built in code (GGUF), with its `config`.
     """
 
-    def __init__(self, source: str | os.PathLike[str] | tokenizers.Tokenizer, config: TokenizerConfig | None = None) -> None:
+    def __init__(
+        self, source: str | os.PathLike[str] | tokenizers.Tokenizer, config: TokenizerConfig | None = None
+    ) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
         if isinstance(source, _Tokenizer):

@@ -127,7 +127,9 @@ def hf_generate(model: Any, prompt: list[int], max_new_tokens: int, stop_at_eos:
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_matches_transformers(smollm2_llm: LLM, smollm2_hf_tokenizer: Any, smollm2_hf_model: Any) -> None:
+def test_smollm2_greedy_matches_transformers(
+    smollm2_llm: LLM, smollm2_hf_tokenizer: Any, smollm2_hf_model: Any
+) -> None:
     prompts = [chat_ids(smollm2_hf_tokenizer, c) for c in CONVERSATIONS]
     prompts += [smollm2_hf_tokenizer(p)["input_ids"] for p in PLAIN_PROMPTS]
     outputs = smollm2_llm.generate(prompts, GREEDY)
@@ -171,8 +173,11 @@ def test_smollm2_tokenizer_matches_transformers(smollm2_llm: LLM, smollm2_hf_tok
     assert (ours.bos_token, ours.eos_token) == (ref.bos_token, ref.eos_token) == ("<|im_start|>", "<|im_end|>")
 
 
-def test_smollm2_config_and_name(smollm2_file: pathlib.Path) -> None:
+@pytest.mark.slow  # parsing the real file's 49k tokens takes seconds
+def test_smollm2_config_and_name(smollm2_file: pathlib.Path, smollm2_llm: LLM) -> None:
     config = load_model_config("smollm2")
+    assert smollm2_llm.engine.loaded.config == config
+    assert smollm2_llm.engine.loaded.name == "Smollm2 135M 8k Lc100K Mix1 Ep2"  # general.name
     assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (30, 576, 9)
     assert (config.num_key_value_heads, config.head_dim, config.vocab_size) == (3, 64, 49152)
     assert config.tie_word_embeddings and config.rope_theta == 100000.0
@@ -204,7 +209,8 @@ def reference_weights(path: pathlib.Path) -> dict[str, np.ndarray]:
     """Every tensor dequantized by the `gguf` package itself, in PyTorch's shape."""
     reader = gguf.GGUFReader(path)
     return {
-        t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
+        # A copy: F32 tensors come back as read-only views of the mapped file.
+        t.name: np.array(gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape))))
         for t in reader.tensors
     }
 
@@ -312,7 +318,8 @@ def test_llama3_rope_scaling_as_rope_freqs(tmp_path: pathlib.Path, llama_dir: pa
     assert factors.max() > 1.5  # the scaling changes some frequencies
     path = write_gguf(tmp_path / "llama3.gguf", spec, model.state_dict(), extra_tensors={"rope_freqs.weight": factors})
 
-    assert load_model_config(str(path)).rope_scaling == {"rope_type": "freq_factors", "factors": tuple(factors.tolist())}
+    scaling = load_model_config(str(path)).rope_scaling
+    assert scaling == {"rope_type": "freq_factors", "factors": tuple(factors.tolist())}
     prompts = random_prompts((5, 40, 90))
     outputs = LLM(str(path)).generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == hf_greedy(llama_dir, prompts, MAX_TOKENS)
@@ -338,17 +345,27 @@ def sentencepiece_gguf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tup
     state = random_state(spec, len(tokens))
     # Scores fall with merge order, as a SentencePiece model's do.
     scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
-    common = dict(model="llama", tokens=tokens, token_types=types, scores=scores, bos_token_id=1, eos_token_id=2, unknown_token_id=0)
+    common = dict(
+        model="llama", tokens=tokens, token_types=types, scores=scores, bos_token_id=1, eos_token_id=2, unknown_token_id=0
+    )
     with_merges = write_gguf(root / "merges.gguf", spec, state, tokenizer=GGUFTokenizerSpec(**common, merges=merges))
     scores_only = write_gguf(root / "scores.gguf", spec, state, tokenizer=GGUFTokenizerSpec(**common))
     yield with_merges, scores_only
 
 
-SENTENCEPIECE_CORPUS = [*CORPUS, "<s>already a bos", "the <think>hmm</think> fox", "  two leading spaces", "byte fallback: Ωß😀"]
+SENTENCEPIECE_CORPUS = [
+    *CORPUS,
+    "<s>already a bos",
+    "the <think>hmm</think> fox",
+    "  two leading spaces",
+    "byte fallback: Ωß😀",
+]
 
 
 @pytest.mark.parametrize("which", ["merges", "scores"])
-def test_sentencepiece_tokenizer_matches_transformers(sentencepiece_gguf: tuple[pathlib.Path, pathlib.Path], which: str) -> None:
+def test_sentencepiece_tokenizer_matches_transformers(
+    sentencepiece_gguf: tuple[pathlib.Path, pathlib.Path], which: str
+) -> None:
     from transformers import AutoTokenizer
 
     path = sentencepiece_gguf[0 if which == "merges" else 1]
@@ -369,7 +386,9 @@ def test_sentencepiece_tokenizer_matches_transformers(sentencepiece_gguf: tuple[
 # ------------------------------------------------------------ errors
 
 
-def write_small(path: pathlib.Path, arch: str = "llama", tokenizer: GGUFTokenizerSpec | None = None, qtype: str = "F32") -> pathlib.Path:
+def write_small(
+    path: pathlib.Path, arch: str = "llama", tokenizer: GGUFTokenizerSpec | None = None, qtype: str = "F32"
+) -> pathlib.Path:
     spec = GGUFSpec(arch=arch, hidden_size=256, intermediate_size=256, num_layers=1, num_heads=4, num_kv_heads=2)
     return write_gguf(path, spec, random_state(spec, QUANT_VOCAB), qtype, tokenizer=tokenizer)
 

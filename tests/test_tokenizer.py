@@ -140,7 +140,9 @@ def test_hf_streaming_arbitrary_ids_adds_up_to_the_decode(
 TEMPLATE = "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ eos_token }}{% endfor %}"
 
 
-def tokenizer_dir(tmp_path: pathlib.Path, config: dict[str, object] | None = None, jinja: str | None = None) -> pathlib.Path:
+def tokenizer_dir(
+    tmp_path: pathlib.Path, config: dict[str, object] | None = None, jinja: str | None = None
+) -> pathlib.Path:
     """A tokenizer.json (BOS <s> added by its post-processor) with the given tokenizer_config.json beside it."""
     import json
 
