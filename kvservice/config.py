@@ -1,4 +1,4 @@
-"""Configuration: the model's shape (from a Hugging Face config.json) and the engine's knobs.
+"""Configuration: the model's shape (from a Hugging Face config.json or GGUF metadata) and the engine's knobs.
 
 Plain Python: every config is frozen and validated when built, so a bad flag fails at
 start-up with a message that names it.
@@ -6,6 +6,7 @@ start-up with a message that names it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
+# GGUF's `general.architecture`: llama.cpp writes Mistral as "llama" too.
+SUPPORTED_GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2"}
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
@@ -93,6 +96,67 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
         )
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], vocab_size: int, tie_word_embeddings: bool) -> ModelConfig:
+        """Build from a GGUF file's metadata (llama.cpp's `{arch}.*` keys).
+
+        The vocabulary size and tying come from the tensors (the embedding's rows, whether
+        `output.weight` exists), which the metadata does not always state.
+        Raises KeyError for a missing key and ValueError for what the model cannot run.
+        """
+        arch = metadata.get("general.architecture")
+        if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_GGUF_ARCHITECTURES[arch]
+
+        def key(name: str) -> str:
+            return f"{arch}.{name}"
+
+        num_heads = int(metadata[key("attention.head_count")])
+        hidden = int(metadata[key("embedding_length")])
+        eos_ids = tuple(
+            int(metadata[k])
+            # End of turn / end of message: llama.cpp stops generation at these as at EOS.
+            for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+            if metadata.get(k) is not None
+        )
+        bos = metadata.get("tokenizer.ggml.bos_token_id")
+        return cls(
+            architecture=family,
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=int(metadata[key("feed_forward_length")]),
+            num_hidden_layers=int(metadata[key("block_count")]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(metadata.get(key("attention.head_count_kv")) or num_heads),
+            head_dim=int(metadata.get(key("attention.key_length")) or hidden // num_heads),
+            max_position_embeddings=int(metadata[key("context_length")]),
+            rms_norm_eps=float(metadata[key("attention.layer_norm_rms_epsilon")]),
+            rope_theta=float(metadata.get(key("rope.freq_base"), 10000.0)),
+            rope_scaling=_gguf_rope_scaling(metadata, arch),
+            tie_word_embeddings=tie_word_embeddings,
+            attention_bias=family == "qwen2",
+            eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+            bos_token_id=None if bos is None else int(bos),
+            # Quantized weights dequantize to float32: the CPU's dtype; pass a dtype to choose another.
+            dtype="float32",
+        )
+
+
+def _gguf_rope_scaling(metadata: Mapping[str, Any], arch: str) -> dict[str, Any] | None:
+    """`rope_scaling` from `{arch}.rope.scaling.*` (or the older `rope.scale_linear`)."""
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    factor = metadata.get(f"{arch}.rope.scaling.factor")
+    if kind is None and metadata.get(f"{arch}.rope.scale_linear") is not None:
+        kind, factor = "linear", metadata[f"{arch}.rope.scale_linear"]
+    if kind in (None, "none") or (kind == "linear" and float(factor or 1.0) == 1.0):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor or 1.0)}
+    raise ValueError(f"{arch}.rope.scaling.type: unsupported {kind!r} (supported: none, linear)")
 
 
 @dataclass(frozen=True, slots=True)

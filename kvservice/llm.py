@@ -10,7 +10,10 @@ from kvservice.sampling_params import SamplingParams
 
 
 class LLM:
-    """A model plus an engine in this process. `model` is "tiny" or a Hugging Face model directory."""
+    """A model plus an engine in this process.
+
+    `model` is "tiny", "smollm2", a Hugging Face model directory or a GGUF file.
+    """
 
     def __init__(self, model: str, dtype: str = "auto", block_size: int = 16, **engine_kwargs: object) -> None:
         self.engine = LLMEngine(model, EngineConfig(dtype=dtype, block_size=block_size, **engine_kwargs))  # type: ignore[arg-type]

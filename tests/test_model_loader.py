@@ -126,3 +126,26 @@ def test_tiny_model_is_deterministic() -> None:
     b = LLM("tiny", num_blocks=16, max_model_len=64).generate(prompts, GREEDY)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert len(set(a[0].token_ids + a[1].token_ids)) > 2
+
+
+def test_generation_config_eos_ids_stop_generation(tmp_path: pathlib.Path, llama_dir: pathlib.Path) -> None:
+    # Instruct checkpoints list their end-of-turn token in generation_config.json, not config.json.
+    model_dir = tmp_path / "model"
+    shutil.copytree(llama_dir, model_dir)
+    prompt = random_prompts((9,))[0]
+    [free] = LLM(str(model_dir)).generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    stop_at = next(i for i, t in enumerate(free.token_ids) if i >= 3 and t not in free.token_ids[:i] and t != 2)
+    end_of_turn = free.token_ids[stop_at]
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, end_of_turn]}))
+
+    assert load_model_config(str(model_dir)).eos_token_ids == (2, end_of_turn)
+    [out] = LLM(str(model_dir)).generate([prompt], SamplingParams(temperature=0, max_tokens=12))
+    assert out.token_ids == free.token_ids[: stop_at + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_bad_generation_config_is_named(tmp_path: pathlib.Path, llama_dir: pathlib.Path) -> None:
+    model_dir = tmp_path / "model"
+    shutil.copytree(llama_dir, model_dir)
+    (model_dir / "generation_config.json").write_text("{")
+    assert_load_error(model_dir, "bad generation_config.json")

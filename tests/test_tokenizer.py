@@ -136,3 +136,83 @@ def test_hf_streaming_arbitrary_ids_adds_up_to_the_decode(
     hf_tokenizer: HFTokenizer, token_ids: list[int], chunk: int
 ) -> None:
     assert "".join(stream(hf_tokenizer, token_ids, chunk)) == hf_tokenizer.decode(token_ids)
+
+
+# ------------------------------------------------------------ tokenizer_config.json: chat template, special tokens, BOS
+
+TEMPLATE = "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+
+
+def tokenizer_dir(
+    tmp_path: pathlib.Path, config: dict[str, object] | None = None, jinja: str | None = None
+) -> pathlib.Path:
+    """A tokenizer.json (BOS <s> added by its post-processor) with the given tokenizer_config.json beside it."""
+    import json
+
+    save_tokenizer(tmp_path / "tokenizer.json")
+    if config is not None:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    if jinja is not None:
+        (tmp_path / "chat_template.jinja").write_text(jinja)
+    return tmp_path / "tokenizer.json"
+
+
+def test_byte_tokenizer_has_no_chat_template_and_bos_is_optional() -> None:
+    tok = ByteTokenizer()
+    assert tok.encode("ab", add_special_tokens=False) == [97, 98]
+    assert tok.decode([ByteTokenizer.BOS, 97, 98, ByteTokenizer.EOS], skip_special_tokens=False) == "ab"
+    assert (tok.chat_template, tok.bos_token, tok.eos_token) == (None, None, None)
+
+
+def test_tokenizer_config_gives_template_and_special_tokens(tmp_path: pathlib.Path) -> None:
+    config = {
+        "chat_template": TEMPLATE,
+        "bos_token": {"content": "<s>", "lstrip": False, "normalized": False, "special": True},
+        "eos_token": "</s>",
+    }
+    tok = HFTokenizer(tokenizer_dir(tmp_path, config))
+    assert (tok.chat_template, tok.bos_token, tok.eos_token) == (TEMPLATE, "<s>", "</s>")
+
+
+def test_without_tokenizer_config_there_is_no_template(tmp_path: pathlib.Path) -> None:
+    tok = HFTokenizer(tokenizer_dir(tmp_path))
+    assert (tok.chat_template, tok.bos_token, tok.eos_token) == (None, None, None)
+
+
+def test_named_templates_give_the_default_one(tmp_path: pathlib.Path) -> None:
+    config = {"chat_template": [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": TEMPLATE}]}
+    assert HFTokenizer(tokenizer_dir(tmp_path, config)).chat_template == TEMPLATE
+
+
+def test_chat_template_jinja_wins_over_tokenizer_config(tmp_path: pathlib.Path) -> None:
+    tok = HFTokenizer(tokenizer_dir(tmp_path, {"chat_template": "old"}, jinja=TEMPLATE))
+    assert tok.chat_template == TEMPLATE
+
+
+@pytest.mark.parametrize("add_bos_token", [None, True, False])
+def test_encoding_respects_whether_the_model_adds_bos(tmp_path: pathlib.Path, add_bos_token: bool | None) -> None:
+    config: dict[str, object] = {"bos_token": "<s>"}
+    if add_bos_token is not None:
+        config["add_bos_token"] = add_bos_token
+    tok = HFTokenizer(tokenizer_dir(tmp_path, config))
+    plain = tok.encode("the quick brown fox", add_special_tokens=False)
+    assert 1 not in plain
+    # None: the tokenizer.json's post-processor decides, and it adds <s>.
+    expected = plain if add_bos_token is False else [1, *plain]
+    assert tok.encode("the quick brown fox") == expected
+    # A template that writes <s> itself is encoded without special tokens: exactly one BOS.
+    assert tok.encode("<s>the quick brown fox", add_special_tokens=False) == [1, *plain]
+
+
+def test_add_bos_token_adds_what_the_post_processor_lacks(tmp_path: pathlib.Path) -> None:
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import processors
+
+    path = tokenizer_dir(tmp_path, {"bos_token": "<s>", "add_bos_token": True})
+    backend = Backend.from_file(str(path))
+    backend.post_processor = processors.TemplateProcessing(single="$A")
+    backend.save(str(path))
+    tok = HFTokenizer(path)
+    assert tok.encode("fox") == [1, *tok.encode("fox", add_special_tokens=False)]
+    assert tok.decode(tok.encode("fox"), skip_special_tokens=False) == "<s>fox"
+    assert tok.decode(tok.encode("fox")) == "fox"
