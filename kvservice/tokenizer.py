@@ -5,15 +5,41 @@ from __future__ import annotations
 import abc
 import pathlib
 
+# The `tiny` model's chat template: ChatML-style turns in plain text (the byte-level
+# vocabulary has no special tokens for the markers). A user turn renders as
+# "<|im_start|>user\nHi<|im_end|>\n"; the generation prompt is "<|im_start|>assistant\n".
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 
 class Tokenizer(abc.ABC):
     @abc.abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with the model's special prefix (BOS) where it has one."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with the model's special prefix (BOS) where it has one
+        and `add_special_tokens` is set (a rendered chat template carries its own)."""
 
     @abc.abstractmethod
-    def decode(self, token_ids: list[int]) -> str:
-        """Text of `token_ids`, special tokens skipped."""
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`, special tokens skipped unless asked otherwise."""
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's jinja2 chat template, None when it has none."""
+        return None
+
+    @property
+    def bos_token(self) -> str | None:
+        """The text of the BOS token, as chat templates see it; None when it has none."""
+        return None
+
+    @property
+    def eos_token(self) -> str | None:
+        """The text of the EOS token, as chat templates see it; None when it has none."""
+        return None
 
 
 class ByteTokenizer(Tokenizer):
@@ -23,11 +49,16 @@ class ByteTokenizer(Tokenizer):
     EOS = 257
     VOCAB_SIZE = 258
 
-    def encode(self, text: str) -> list[int]:
-        return [self.BOS, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self.BOS, *text.encode("utf-8")] if add_special_tokens else list(text.encode("utf-8"))
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        # BOS and EOS have no text of their own: skipped either way.
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+
+    @property
+    def chat_template(self) -> str | None:
+        return TINY_CHAT_TEMPLATE
 
 
 class HFTokenizer(Tokenizer):
@@ -38,11 +69,11 @@ class HFTokenizer(Tokenizer):
 
         self._tok = _Tokenizer.from_file(str(path))
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
