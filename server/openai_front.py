@@ -7,9 +7,9 @@ completions API:
 - `prompt`: a string or a list of token ids (one prompt per request; a list holding
   exactly one prompt is accepted too);
 - `max_tokens` (default 16), `temperature`, `top_p`, `seed`, `stream`,
-  `stream_options.include_usage`; `stop` takes token ids only (an int or a list of
-  ints; stop strings are refused); vLLM's extensions `top_k`, `ignore_eos` and
-  `stop_token_ids`;
+  `stream_options.include_usage`; `stop` as a string or a list of strings (or, as
+  an extension, token ids: an int or a list of ints); vLLM's extensions `top_k`,
+  `ignore_eos` and `stop_token_ids`;
 - not supported (HTTP 400): `n` > 1, `best_of` > 1, `echo`, `logprobs`, `suffix`.
 
 Every choice also carries `token_ids`, the generated ids. A client-chosen request id
@@ -157,7 +157,11 @@ class OpenAIFront:
             if body.get(name) is not None:
                 setattr(sp, name, _optional(body, name, int, 0))
         sp.ignore_eos = _optional(body, "ignore_eos", bool, False)
-        sp.stop_token_ids.extend(_stop_token_ids(body.get("stop"), "stop"))
+        stop = body.get("stop")
+        if isinstance(stop, str) or (isinstance(stop, list) and stop and all(isinstance(t, str) for t in stop)):
+            sp.stop.extend([stop] if isinstance(stop, str) else stop)
+        else:
+            sp.stop_token_ids.extend(_stop_token_ids(stop, "stop"))
         sp.stop_token_ids.extend(_stop_token_ids(body.get("stop_token_ids"), "stop_token_ids"))
         stream = _optional(body, "stream", bool, False)
         options = body.get("stream_options") or {}
@@ -257,7 +261,8 @@ def _stop_token_ids(value: Any, name: str) -> list[int]:
         return [value]
     if isinstance(value, list) and all(_is_int(t) for t in value):
         return value
-    raise ValueError(f"{name}: only token ids are supported (an int or a list of ints), got {value!r}")
+    kinds = "a string, a list of strings, or token ids" if name == "stop" else "token ids (an int or a list of ints)"
+    raise ValueError(f"{name}: expected {kinds}, got {value!r}")
 
 
 def _usage(result: pb.CompleteResponse) -> dict[str, int]:
