@@ -48,10 +48,13 @@ def build_request(
     seed: int | None = None,
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    stop: str | Sequence[str] = (),
     request_id: str = "",
 ) -> pb.GenerateRequest:
-    """A GenerateRequest; parameters left as None stay unset (the server's defaults apply)."""
-    sp = pb.SamplingParams(stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    """A GenerateRequest; parameters left as None stay unset (the server's defaults apply).
+    `stop`: one stop string or several; the text returned ends before the first one."""
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    sp = pb.SamplingParams(stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, stop=stop)
     if max_tokens is not None:
         sp.max_tokens = max_tokens
     if temperature is not None:

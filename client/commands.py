@@ -36,6 +36,10 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest (default: off)")
     parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    parser.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT",
+        help="stop when the text contains TEXT, which is not printed (repeat for several)",
+    )
     parser.add_argument("--request-id", default="", help="request id (default: the server assigns one)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object with token_ids, text, finish_reason")
@@ -66,6 +70,7 @@ async def _generate(args: argparse.Namespace) -> int:
                 top_k=args.top_k,
                 seed=args.seed,
                 ignore_eos=args.ignore_eos,
+                stop=args.stop,
                 request_id=args.request_id,
             ):
                 token_ids.extend(chunk.token_ids)

@@ -17,10 +17,11 @@ from kvservice.kv_cache_manager import KVCacheManager
 from kvservice.model_loader import LoadedModel, load_model, load_model_config
 from kvservice.model_runner import ModelRunner
 from kvservice.outputs import EngineCoreOutput
-from kvservice.request import Request
+from kvservice.request import Request, RequestStatus
 from kvservice.sampling_params import SamplingParams
 from kvservice.scheduler import Scheduler
-from kvservice.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvservice.stop_checker import OutputText
+from kvservice.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
@@ -44,7 +45,7 @@ class RequestOutput:
 @dataclass(slots=True)
 class _Tracked:
     prompt_token_ids: list[int]
-    detokenizer: IncrementalDetokenizer
+    output_text: OutputText
     token_ids: list[int] = field(default_factory=list)
 
 
@@ -126,6 +127,7 @@ class LLMEngine:
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> str:
         token_ids = self.encode(prompt)
+        output_text = OutputText(self.tokenizer, params.stop)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not request_id:
             raise ValueError("request_id: empty")
@@ -138,7 +140,7 @@ class LLMEngine:
             kv_transfer_params=kv_transfer_params,
         )
         self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(token_ids, IncrementalDetokenizer(self.tokenizer))
+        self._tracked[request_id] = _Tracked(token_ids, output_text)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -162,19 +164,25 @@ class LLMEngine:
         tracked = self._tracked.get(core.request_id)
         if tracked is None:
             return None
-        tracked.token_ids.extend(core.new_token_ids)
-        new_text = tracked.detokenizer.push(core.new_token_ids)
-        if core.finish_reason is not None:
-            new_text += tracked.detokenizer.flush()
+        finish_reason = core.finish_reason
+        num_kept, new_text = tracked.output_text.push(core.new_token_ids, is_last=finish_reason is not None)
+        new_token_ids = list(core.new_token_ids[:num_kept])
+        tracked.token_ids.extend(new_token_ids)
+        if tracked.output_text.is_stopped:
+            if finish_reason is None:
+                # The scheduler goes on until told: end the request there, its blocks free now.
+                self.scheduler.finish_request(core.request_id, RequestStatus.FINISHED_STOPPED)
+            finish_reason = "stop"
+        if finish_reason is not None:
             del self._tracked[core.request_id]
         return RequestOutput(
             request_id=core.request_id,
             prompt_token_ids=tracked.prompt_token_ids,
             token_ids=list(tracked.token_ids),
-            text=tracked.detokenizer.text,
-            new_token_ids=list(core.new_token_ids),
+            text=tracked.output_text.text,
+            new_token_ids=new_token_ids,
             new_text=new_text,
-            finish_reason=core.finish_reason,
+            finish_reason=finish_reason,
             error=core.error,
         )
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from kvservice.chat_template import apply_chat_template
 from kvservice.config import EngineConfig
 from kvservice.engine import LLMEngine, RequestOutput
 from kvservice.sampling_params import SamplingParams
@@ -53,3 +55,25 @@ class LLM:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
             raise
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of `{"role", "content"}` messages)
+        or to a list of them; one finished output per conversation, as `generate` returns.
+
+        Each conversation is rendered with `chat_template`, or the model's own, and
+        tokenized as it is (see `kvservice.chat_template.apply_chat_template`)."""
+        if not messages:
+            raise ValueError("messages: empty")
+        is_one = isinstance(messages[0], Mapping)
+        conversations = [messages] if is_one else list(messages)
+        prompts = [
+            apply_chat_template(self.tokenizer, conversation, add_generation_prompt, chat_template)
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params)

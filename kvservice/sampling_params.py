@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPSILON = 1e-5
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,6 +16,8 @@ class SamplingParams:
 
     `temperature=0` (or below 1e-5) is greedy. `top_k=-1` and `top_p=1.0` disable those filters.
     A request with a `seed` samples reproducibly, whatever else is in the batch.
+    `stop` strings end the request when its text contains one; the text returned stops
+    before it (a str or any sequence of str is accepted, stored as a tuple).
     """
 
     temperature: float = 1.0
@@ -23,6 +27,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # NaN compares False with everything: check finiteness first, or `nan < 0` lets it in.
@@ -38,8 +43,21 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
         # Accept any iterable of ids (a list from user code) but store a tuple: frozen stays frozen.
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", _validate_stop(self.stop))
 
     @property
     def is_greedy(self) -> bool:
         # vLLM's epsilon: below it, logits / temperature overflows float32 to inf (NaN probabilities).
         return self.temperature < _GREEDY_EPSILON
+
+
+def _validate_stop(stop: object) -> tuple[str, ...]:
+    strings = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(strings, (list, tuple)):
+        raise ValueError(f"stop: expected a string or a list of strings, got {type(stop).__name__}")
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+    for s in strings:
+        if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop: each stop string must be 1 to {MAX_STOP_STRING_CHARS} characters, got {s!r:.80}")
+    return tuple(strings)

@@ -78,6 +78,17 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request in any state; returns False if it is unknown or already finished."""
+        if not self.finish_request(request_id, RequestStatus.FINISHED_ABORTED):
+            return False
+        self.num_aborted += 1
+        self._pending_outputs.append(EngineCoreOutput(request_id, [], "abort"))
+        return True
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
+        """End a request in any state with a finished `status` (the engine matched a stop
+        string); its blocks free as on any finish. No output is queued: the caller reports
+        the end. Returns False if the request is unknown or already finished."""
+        assert status.is_finished, status
         request = self.requests.get(request_id)
         if request is None or request.status.is_finished:
             return False
@@ -87,9 +98,7 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
             del self.waiting_for_remote_kv[request_id]
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
-        self.num_aborted += 1
-        self._pending_outputs.append(EngineCoreOutput(request_id, [], "abort"))
+        self._finish(request, status)
         return True
 
     @property

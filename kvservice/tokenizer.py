@@ -12,6 +12,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import tokenizers
 
+# The `tiny` model's chat template: ChatML-style turns in plain text (the byte-level
+# vocabulary has no special tokens for the markers). A user turn renders as
+# "<|im_start|>user\nHi<|im_end|>\n"; the generation prompt is "<|im_start|>assistant\n".
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 
 class Tokenizer(abc.ABC):
     """Text to token ids and back, plus what a chat template needs (its text, the special tokens)."""
@@ -57,6 +67,10 @@ class ByteTokenizer(Tokenizer):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         # BOS and EOS have no text: skipped or not, they render as nothing.
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+
+    @property
+    def chat_template(self) -> str | None:
+        return TINY_CHAT_TEMPLATE
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
             seed=sp.seed if sp.HasField("seed") else None,
             stop_token_ids=tuple(sp.stop_token_ids),
             ignore_eos=sp.ignore_eos,
+            stop=tuple(sp.stop),
         )
     except ValueError as e:
         raise ValueError(f"sampling_params.{e}") from None

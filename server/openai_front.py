@@ -7,9 +7,9 @@ completions API:
 - `prompt`: a string or a list of token ids (one prompt per request; a list holding
   exactly one prompt is accepted too);
 - `max_tokens` (default 16), `temperature`, `top_p`, `seed`, `stream`,
-  `stream_options.include_usage`; `stop` takes token ids only (an int or a list of
-  ints; stop strings are refused); vLLM's extensions `top_k`, `ignore_eos` and
-  `stop_token_ids`;
+  `stream_options.include_usage`; `stop` as a string or a list of strings (or, as
+  an extension, token ids: an int or a list of ints); vLLM's extensions `top_k`,
+  `ignore_eos` and `stop_token_ids`;
 - not supported (HTTP 400): `n` > 1, `best_of` > 1, `echo`, `logprobs`, `suffix`.
 
 Every choice also carries `token_ids`, the generated ids. A client-chosen request id

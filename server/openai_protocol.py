@@ -77,7 +77,11 @@ def parse_completion_request(body: Any, request_id: str, model_name: str) -> Com
         if body.get(name) is not None:
             setattr(sp, name, _optional(body, name, int, 0))
     sp.ignore_eos = _optional(body, "ignore_eos", bool, False)
-    sp.stop_token_ids.extend(_stop_token_ids(body.get("stop"), "stop"))
+    stop = body.get("stop")
+    if isinstance(stop, str) or (isinstance(stop, list) and stop and all(isinstance(t, str) for t in stop)):
+        sp.stop.extend([stop] if isinstance(stop, str) else stop)
+    else:
+        sp.stop_token_ids.extend(_stop_token_ids(stop, "stop"))
     sp.stop_token_ids.extend(_stop_token_ids(body.get("stop_token_ids"), "stop_token_ids"))
     stream = _optional(body, "stream", bool, False)
     options = body.get("stream_options") or {}
@@ -124,7 +128,8 @@ def _stop_token_ids(value: Any, name: str) -> list[int]:
         return [value]
     if isinstance(value, list) and all(_is_int(t) for t in value):
         return value
-    raise ValueError(f"{name}: only token ids are supported (an int or a list of ints), got {value!r}")
+    kinds = "a string, a list of strings, or token ids" if name == "stop" else "token ids (an int or a list of ints)"
+    raise ValueError(f"{name}: expected {kinds}, got {value!r}")
 
 
 def usage(result: pb.CompleteResponse) -> dict[str, int]:

@@ -22,7 +22,8 @@ from kvservice.server.convert import prompt_from_proto, sampling_params_from_pro
 from kvservice.server.errors import RequestFailed, abort_with
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.stats import engine_stats
-from kvservice.tokenizer import IncrementalDetokenizer
+from kvservice.stop_checker import OutputText
+from kvservice.tokenizer import Tokenizer
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
@@ -66,12 +67,12 @@ class PrefillWorkerService(pb_grpc.WorkerServicer):
                 tracker.on_tokens(len(last.token_ids))
                 completed = True
             first = last.token_ids[0]
+            text, finish_reason = first_token_output(first, params, self.engine.engine.eos_token_ids, self.engine.engine.tokenizer)
             return pb.PrefillResponse(
                 request_id=inner.request_id,
                 first_token_id=first,
-                # Unflushed, as the decode worker's first delta: a split character is held back.
-                text=IncrementalDetokenizer(self.engine.engine.tokenizer).push([first]),
-                finish_reason=finish_reason_to_proto(first_token_finish_reason(first, params, self.engine.engine.eos_token_ids)),
+                text=text,
+                finish_reason=finish_reason_to_proto(finish_reason),
                 num_prompt_tokens=len(token_ids),
             )
         except Exception as e:
@@ -97,3 +98,15 @@ def first_token_finish_reason(token_id: int, params: SamplingParams, eos_token_i
     if params.max_tokens == 1:
         return "length"
     return None
+
+
+def first_token_output(
+    token_id: int, params: SamplingParams, eos_token_ids: frozenset[int], tokenizer: Tokenizer | None
+) -> tuple[str, str | None]:
+    """The first token's text and finish reason, exactly as the decode worker's engine
+    emits them for its first output (the proxy shows this one and skips that one): what
+    could start a stop string is held back, a stop string in it ends the request."""
+    finish_reason = first_token_finish_reason(token_id, params, eos_token_ids)
+    output_text = OutputText(tokenizer, params.stop)
+    _, text = output_text.push([token_id], is_last=finish_reason is not None)
+    return text, "stop" if output_text.is_stopped else finish_reason

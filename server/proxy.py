@@ -153,7 +153,7 @@ class ProxyService(StreamingGenerationService):
                 while response is not None:
                     if skip_first and response.token_ids:
                         skip_first = False
-                        response = _without_first_token(response)
+                        response = _without_first_token(response, first.text if first is not None else "")
                         if response.token_ids or response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                             yield response
                     else:
@@ -256,11 +256,13 @@ def _skip_tokens(response: pb.GenerateResponse, skip: int) -> tuple[pb.GenerateR
     return rest, skip - dropped
 
 
-def _without_first_token(response: pb.GenerateResponse) -> pb.GenerateResponse:
-    """The decode worker's first token is the prefill's, already sent: drop it (its text too)."""
+def _without_first_token(response: pb.GenerateResponse, sent_text: str) -> pb.GenerateResponse:
+    """The decode worker's first token is the prefill's, already sent with `sent_text`: drop
+    it and that text. Text past it stays: what the decode worker released on finishing
+    (held back in case it started a stop string), or the text of tokens after the first."""
     rest = pb.GenerateResponse()
     rest.CopyFrom(response)
     del rest.token_ids[0]
     if not rest.token_ids:
-        rest.text = ""
+        rest.text = rest.text[len(sent_text) :] if rest.text.startswith(sent_text) else ""
     return rest

@@ -16,7 +16,6 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-
 from hf_models import TOKENIZER_SENTENCES
 
 # Types the package can quantize (written from float weights) and types it only dequantizes

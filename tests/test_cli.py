@@ -111,6 +111,19 @@ async def test_generate_is_greedy_and_repeatable(server: str, capsys: pytest.Cap
     assert len(first["token_ids"]) == 6
 
 
+async def test_generate_stop_strings(server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--stop` (repeatable): the text ends before the first stop string, finish_reason stop."""
+    args = ("generate", "--target", server, "abc", "--max-tokens", "12", "--ignore-eos", "--json")
+    code, out, err = await in_process(capsys, *args)
+    assert code == 0, err
+    text = json.loads(out.strip().splitlines()[-1])["text"]
+    index = next(i for i in range(1, len(text)) if text[i].isascii() and text[i].isprintable() and text.index(text[i]) == i)
+    code, out, err = await in_process(capsys, *args, "--stop", "never seen", "--stop", text[index])
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["text"] == text[:index] and result["finish_reason"] == "stop"
+
+
 async def test_generate_bad_request_exits_nonzero_with_status(server: str) -> None:
     code, stdout, stderr = await kvservice(
         "generate", "--target", server, "--prompt-token-ids", "1,2,3", "--max-tokens", "0", "--json"

@@ -15,7 +15,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
 from gguf_models import (
     QUANTIZABLE_TYPES,
     RAW_BLOCK_TYPES,
@@ -28,6 +27,7 @@ from gguf_models import (
     write_gguf,
 )
 from hf_models import TOKENIZER_SENTENCES, hf_greedy, random_prompts
+
 from kvservice import LLM, SamplingParams
 from kvservice.gguf_loader import open_gguf
 from kvservice.gguf_tokenizer import gguf_tokenizer

@@ -105,13 +105,31 @@ async def test_stop_token_ids(cluster: LocalCluster, client: openai.AsyncOpenAI)
 
 
 @pytest.mark.parametrize("stream", [False, True])
+async def test_stop_strings(cluster: LocalCluster, client: openai.AsyncOpenAI, stream: bool) -> None:
+    # tiny's greedy text for "abc" has printable characters past its first.
+    full = await client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    text = full.choices[0].text
+    index = next(i for i in range(1, len(text)) if text[i].isascii() and text[i].isprintable() and text.index(text[i]) == i)
+    kwargs = {"model": MODEL, "prompt": "abc", "max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    if not stream:
+        completion = await client.completions.create(**kwargs, stop=text[index])
+        assert completion.choices[0].text == text[:index] and completion.choices[0].finish_reason == "stop"
+        return
+    chunks = [c async for c in await client.completions.create(**kwargs, stop=["never", text[index]], stream=True)]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text[:index]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
 async def test_errors_are_openai_style(client: openai.AsyncOpenAI, stream: bool) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         await client.completions.create(model=MODEL, prompt="x", temperature=-1, stream=stream)
     assert "temperature" in bad.value.message
     assert bad.value.body["code"] == "invalid_argument"
     with pytest.raises(openai.BadRequestError, match="stop"):
-        await client.completions.create(model=MODEL, prompt="x", stop="\n", stream=stream)
+        await client.completions.create(model=MODEL, prompt="x", stop=[""], stream=stream)
+    with pytest.raises(openai.BadRequestError, match="stop"):
+        await client.completions.create(model=MODEL, prompt="x", stop=["a", 1], stream=stream)  # type: ignore[list-item]
     with pytest.raises(openai.BadRequestError, match="prompt"):
         await client.completions.create(model=MODEL, prompt=[], stream=stream)
     with pytest.raises(openai.NotFoundError):

@@ -221,6 +221,22 @@ def test_abort_unknown_request_is_false() -> None:
     assert not make_scheduler(num_blocks=2, block_size=4).abort_request("nope")
 
 
+def test_finish_request_stops_a_running_request_without_an_abort() -> None:
+    # The engine matched a stop string: the request ends as "stop", its blocks free now,
+    # and the scheduler emits nothing more for it (the engine reported the end itself).
+    sched = make_scheduler(num_blocks=8, block_size=4)
+    request = make_request("a", 10, max_tokens=8)
+    sched.add_request(request)
+    step(sched)
+    assert sched.finish_request("a", RequestStatus.FINISHED_STOPPED)
+    assert request.status is RequestStatus.FINISHED_STOPPED
+    assert sched.kv.num_free_blocks == 8 and sched.num_unfinished == 0
+    assert sched.num_finished == 1 and sched.num_aborted == 0
+    assert step(sched)[1] == []
+    assert not sched.finish_request("a", RequestStatus.FINISHED_STOPPED)
+    assert not sched.abort_request("a")
+
+
 # ------------------------------------------------------------ finishing
 
 

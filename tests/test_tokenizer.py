@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 from hf_models import TOKENIZER_SENTENCES, save_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvservice.tokenizer import (
+    TINY_CHAT_TEMPLATE,
     ByteTokenizer,
     HFTokenizer,
     IncrementalDetokenizer,
@@ -157,11 +160,12 @@ def tokenizer_dir(
     return tmp_path / "tokenizer.json"
 
 
-def test_byte_tokenizer_has_no_chat_template_and_bos_is_optional() -> None:
+def test_byte_tokenizer_has_the_plain_text_chatml_template_and_bos_is_optional() -> None:
     tok = ByteTokenizer()
     assert tok.encode("ab", add_special_tokens=False) == [97, 98]
     assert tok.decode([ByteTokenizer.BOS, 97, 98, ByteTokenizer.EOS], skip_special_tokens=False) == "ab"
-    assert (tok.chat_template, tok.bos_token, tok.eos_token) == (None, None, None)
+    # No special tokens in a byte vocabulary: the template writes its markers as text.
+    assert (tok.chat_template, tok.bos_token, tok.eos_token) == (TINY_CHAT_TEMPLATE, None, None)
 
 
 def test_tokenizer_config_gives_template_and_special_tokens(tmp_path: pathlib.Path) -> None:
