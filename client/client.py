@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -38,8 +38,13 @@ class Completion:
     num_prompt_tokens: int = 0
 
 
+# A prompt: text, token ids, or a conversation ({"role", "content"} messages) that the
+# server renders with the model's chat template.
+PromptInput = str | Sequence[int] | Sequence[Mapping[str, str]]
+
+
 def build_request(
-    prompt: str | Sequence[int],
+    prompt: PromptInput,
     *,
     max_tokens: int | None = None,
     temperature: float | None = None,
@@ -68,8 +73,10 @@ def build_request(
     request = pb.GenerateRequest(request_id=request_id, sampling_params=sp)
     if isinstance(prompt, str):
         request.text = prompt
+    elif prompt and isinstance(prompt[0], Mapping):
+        request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)  # type: ignore[index]
     else:
-        request.token_ids.ids.extend(prompt)
+        request.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
     return request
 
 
@@ -99,7 +106,7 @@ class KVServiceClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def generate(self, prompt: str | Sequence[int], timeout: float | None = None, **params: object) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, prompt: PromptInput, timeout: float | None = None, **params: object) -> AsyncIterator[GenerateChunk]:
         """Stream chunks of tokens; the last one has `finish_reason`. Errors raise grpc.aio.AioRpcError."""
         call = self._stub.Generate(build_request(prompt, **params), timeout=timeout, metadata=self._metadata)  # type: ignore[arg-type]
         try:
@@ -114,7 +121,7 @@ class KVServiceClient:
         finally:
             call.cancel()  # no-op once finished; aborts the request when the caller leaves early
 
-    async def complete(self, prompt: str | Sequence[int], timeout: float | None = None, **params: object) -> Completion:
+    async def complete(self, prompt: PromptInput, timeout: float | None = None, **params: object) -> Completion:
         response = await self._stub.Complete(build_request(prompt, **params), timeout=timeout, metadata=self._metadata)  # type: ignore[arg-type]
         return Completion(
             request_id=response.request_id,

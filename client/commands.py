@@ -10,7 +10,7 @@ import sys
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from kvservice.client.client import KVServiceClient
+from kvservice.client.client import KVServiceClient, PromptInput
 from kvservice.tls import TLSFiles, add_tls_arguments
 
 
@@ -28,8 +28,10 @@ def _client(args: argparse.Namespace) -> KVServiceClient:
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, metavar="HOST:PORT", help="the proxy or a colocated worker")
-    parser.add_argument("prompt", nargs="?", help="prompt text (or use --prompt-token-ids)")
+    parser.add_argument("prompt", nargs="?", help="prompt text (or use --prompt-token-ids or --chat)")
     parser.add_argument("--prompt-token-ids", type=_token_ids, metavar="1,2,3", help="prompt as token ids")
+    parser.add_argument("--chat", metavar="MESSAGE", help="one chat turn: MESSAGE as the user's message, rendered with the model's chat template")
+    parser.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default: 16)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: off)")
@@ -47,14 +49,22 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def generate_main(args: argparse.Namespace) -> int:
-    if (args.prompt is None) == (args.prompt_token_ids is None):
-        print("kvservice generate: error: give a PROMPT or --prompt-token-ids (not both)", file=sys.stderr)
+    if sum(p is not None for p in (args.prompt, args.prompt_token_ids, args.chat)) != 1:
+        print("kvservice generate: error: give exactly one of PROMPT, --prompt-token-ids or --chat", file=sys.stderr)
+        return 2
+    if args.system is not None and args.chat is None:
+        print("kvservice generate: error: --system goes with --chat", file=sys.stderr)
         return 2
     return asyncio.run(_generate(args))
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    prompt = args.prompt if args.prompt is not None else args.prompt_token_ids
+    prompt: PromptInput
+    if args.chat is not None:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        prompt = [*system, {"role": "user", "content": args.chat}]
+    else:
+        prompt = args.prompt if args.prompt is not None else args.prompt_token_ids
     token_ids: list[int] = []
     text = ""
     finish_reason = None

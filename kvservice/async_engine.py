@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvservice.chat_template import Prompt
 from kvservice.engine import LLMEngine, RequestOutput
 from kvservice.sampling_params import SamplingParams
 
@@ -38,7 +39,7 @@ class QueueFull(RuntimeError):
 
 @dataclass(slots=True)
 class _Add:
-    prompt: str | list[int]
+    prompt: Prompt
     params: SamplingParams
     request_id: str | None
     kv_transfer_params: dict[str, Any] | None
@@ -105,7 +106,7 @@ class AsyncLLMEngine:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams,
         request_id: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,

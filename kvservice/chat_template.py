@@ -20,13 +20,27 @@ import datetime
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeAlias
 
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
 from kvservice.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A conversation as a prompt: rendered with the model's chat template where it is
+    encoded (the worker that runs it), so every worker of one request gets the same ids."""
+
+    messages: Sequence[Mapping[str, Any]]
+    add_generation_prompt: bool = True
+
+
+# What a request's prompt may be: text, token ids, or a conversation.
+Prompt: TypeAlias = str | list[int] | ChatPrompt
 
 # Roles are free-form (templates decide what they accept), but bounded like any input.
 MAX_ROLE_CHARS = 64

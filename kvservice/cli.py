@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                "start N prefill + M decode workers and a proxy locally; Ctrl-C stops all"),
     "generate": ("kvservice.client.commands", "add_generate_arguments", "generate_main",
                  "send one request and stream its tokens to the terminal"),
+    "chat": ("kvservice.client.chat", "add_arguments", "main",
+             "an interactive chat in the terminal (history kept, answers streamed; Ctrl-D quits)"),
     "stats": ("kvservice.client.commands", "add_stats_arguments", "stats_main",
               "show a server's KV blocks, requests and KV transfer counters"),
     "health": ("kvservice.client.commands", "add_health_arguments", "health_main",

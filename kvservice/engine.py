@@ -9,6 +9,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvservice.chat_template import ChatPrompt, Prompt, apply_chat_template
 from kvservice.config import EngineConfig, ModelConfig
 from kvservice.connector.base import KVConnectorBase
 from kvservice.draft_proposer import DraftProposer
@@ -98,12 +99,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------ requests
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt, validated against the vocabulary and the maximum length."""
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt (a conversation rendered with the model's chat template),
+        validated against the vocabulary and the maximum length."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer.json; pass token ids")
             token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, ChatPrompt):
+            token_ids = apply_chat_template(self.tokenizer, prompt.messages, prompt.add_generation_prompt)
         else:
             token_ids = [int(t) for t in prompt]
         if not token_ids:
@@ -121,7 +125,7 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams,
         request_id: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvservice.chat_template import ChatPrompt, Prompt
 from kvservice.engine import RequestOutput
 from kvservice.finish_reason import finish_reason_to_proto
 from kvservice.sampling_params import SamplingParams
@@ -27,7 +28,7 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         raise ValueError(f"sampling_params.{e}") from None
 
 
-def prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
+def prompt_from_proto(request: pb.GenerateRequest) -> Prompt:
     kind = request.WhichOneof("prompt")
     if kind == "text":
         if not request.text:
@@ -35,7 +36,15 @@ def prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
         return request.text
     if kind == "token_ids":
         return list(request.token_ids.ids)
-    raise ValueError("prompt: set either text or token_ids")
+    if kind == "chat":
+        chat = request.chat
+        if not chat.messages:
+            raise ValueError("prompt.chat.messages: empty conversation")
+        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        return ChatPrompt(messages, add_generation_prompt)
+    raise ValueError("prompt: set one of text, token_ids or chat")
+
 
 
 def response_from_output(output: RequestOutput, new_token_ids: list[int], new_text: str) -> pb.GenerateResponse:

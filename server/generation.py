@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 
 from kvservice.async_engine import AsyncLLMEngine
+from kvservice.chat_template import Prompt
 from kvservice.sampling_params import SamplingParams
 from kvservice.server.convert import response_from_output
 from kvservice.server.errors import RequestFailed, abort_with
@@ -23,7 +24,7 @@ def new_request_id() -> str:
 
 async def stream_responses(
     engine: AsyncLLMEngine,
-    prompt: str | list[int],
+    prompt: Prompt,
     params: SamplingParams,
     request_id: str,
     kv_transfer_params: dict[str, Any] | None = None,

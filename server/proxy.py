@@ -54,7 +54,7 @@ class ProxyService(StreamingGenerationService):
             inner.request_id = new_request_id()
         with self.metrics.track(inner.request_id, logger) as tracker:
             if request.WhichOneof("prompt") is None:
-                raise ValueError("prompt: set either text or token_ids")
+                raise ValueError("prompt: set one of text, token_ids or chat")
             num_sent = 0  # tokens the client already has
             failed_decoders: set[str] = set()
             while True:
