@@ -92,16 +92,13 @@ class OutputText:
         """Add new tokens; returns how many of them count (up to the one that completed a
         stop string) and the new text to show. `is_last`: the request ends with these
         tokens whatever they say, so nothing is held back."""
-        if not self.checker.stop:
-            delta = self.checker.push(self.detokenizer.push(list(token_ids)))
-            if is_last:
-                delta += self.checker.push(self.detokenizer.flush())
-            return len(token_ids), delta
+        # Without stop strings nothing depends on which token ends the text: decode them at once.
+        groups = [[t] for t in token_ids] if self.checker.stop else [list(token_ids)]
         delta = ""
         num_kept = 0
-        for token_id in token_ids:
-            num_kept += 1
-            delta += self.checker.push(self.detokenizer.push([token_id]))
+        for group in groups:
+            num_kept += len(group)
+            delta += self.checker.push(self.detokenizer.push(group))
             if self.checker.is_stopped:
                 return num_kept, delta
         if is_last:

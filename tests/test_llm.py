@@ -139,3 +139,15 @@ def test_stop_token_ids_still_work(llm: LLM, full: RequestOutput) -> None:
     stop_id = full.token_ids[5]
     [out] = llm.generate(STOP_PROMPT, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, stop_token_ids=[stop_id]))
     assert out.finish_reason == "stop" and out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
+
+
+def test_stop_string_with_speculative_decoding(full: RequestOutput) -> None:
+    # The target as its own draft: every draft token is accepted, so one step brings several
+    # tokens and the stop string ends the request in the middle of them.
+    llm = LLM("tiny", num_blocks=64, draft_model="tiny", num_speculative_tokens=4)
+    stop = pick_stop(full.text, 2)
+    [out] = llm.generate(STOP_PROMPT, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, stop=stop))
+    assert out.finish_reason == "stop" and out.text == full.text[: full.text.index(stop)]
+    assert out.token_ids == full.token_ids[: tokens_until(full.token_ids, stop)]
+    assert llm.engine.scheduler.num_accepted_tokens > 0
+    assert llm.engine.num_free_blocks == llm.engine.num_blocks
