@@ -63,10 +63,15 @@ class GrpcServer:
             await self.health.set(name, status)
 
     async def run_until_signalled(
-        self, grace: float, on_stop: Callable[[], Awaitable[None]] | None = None, ready_line: str | None = None
+        self,
+        grace: float,
+        on_stop: Callable[[], Awaitable[None]] | None = None,
+        ready_line: str | None = None,
+        stop: asyncio.Event | None = None,
     ) -> None:
-        """Start, print `ready_line` (tests and the launcher wait for it), serve until SIGTERM/SIGINT."""
-        stop = asyncio.Event()
+        """Start, print `ready_line` (tests and the launcher wait for it), serve until
+        SIGTERM/SIGINT or until `stop` is set (the server's own fatal error)."""
+        stop = stop if stop is not None else asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)

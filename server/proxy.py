@@ -30,12 +30,22 @@ logger = logging.getLogger(__name__)
 _CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 # Errors that suggest the worker is gone: stop routing to it until its health check passes.
 _WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE}
+# Deadline of one request's calls to its workers (the whole decode stream included).
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
 
 class ProxyService(StreamingGenerationService):
     def __init__(
-        self, prefill: WorkerPool, decode: WorkerPool, metrics: ServerMetrics | None = None, retry_decode: bool = False
+        self,
+        prefill: WorkerPool,
+        decode: WorkerPool,
+        metrics: ServerMetrics | None = None,
+        retry_decode: bool = False,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
     ) -> None:
+        if not request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
+        self.request_timeout = request_timeout
         self.prefill = prefill
         self.decode = decode
         # When a decode worker goes away mid-request, restart a reproducible request
@@ -95,7 +105,7 @@ class ProxyService(StreamingGenerationService):
                     yield response
 
     async def _decode_only(self, decode_worker: WorkerHandle, inner: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        call = decode_worker.stub.Decode(pb.DecodeRequest(request=inner))
+        call = decode_worker.stub.Decode(pb.DecodeRequest(request=inner), timeout=self.request_timeout)
         try:
             async for response in call:
                 yield response
@@ -113,12 +123,15 @@ class ProxyService(StreamingGenerationService):
             pb.DecodeRequest(
                 request=inner,
                 kv_transfer_params=pb.KVTransferParams(remote_address=prefill_worker.address, transfer_token=token),
-            )
+            ),
+            timeout=self.request_timeout,
         )
-        prefill = asyncio.ensure_future(prefill_worker.stub.Prefill(pb.PrefillRequest(request=inner, transfer_token=token)))
+        prefill = asyncio.ensure_future(
+            prefill_worker.stub.Prefill(pb.PrefillRequest(request=inner, transfer_token=token), timeout=self.request_timeout)
+        )
         decode_stream = decode_call.__aiter__()
-        # The Prefill call has no deadline of its own: when its worker is cut off, the decode
-        # worker's pull times out, it recomputes, and its first token ends the wait instead.
+        # When the prefill worker is cut off, the decode worker's pull times out, it
+        # recomputes, and its first token ends the wait before the Prefill's deadline.
         next_decode = asyncio.ensure_future(_next_or_none(decode_stream))
         try:
             first: pb.PrefillResponse | None = None
