@@ -125,6 +125,10 @@ class LLMEngine:
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> str:
         token_ids = self.encode(prompt)
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not request_id:
             raise ValueError("request_id: empty")

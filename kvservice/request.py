@@ -71,9 +71,11 @@ class Request:
     # this request's tokens the draft's own KV cache covers.
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_computed_tokens: int = 0
+    stop_token_ids: frozenset[int] = field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.stop_token_ids = frozenset(self.sampling_params.stop_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -102,7 +104,7 @@ class Request:
         last = self.output_token_ids[-1]
         if not params.ignore_eos and last in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
+        if last in self.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvservice.engine import RequestOutput
-from kvservice.sampling_params import SamplingParams
+from kvservice.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from kvservice.v1 import kvservice_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16
@@ -18,6 +18,9 @@ FINISH_REASONS: dict[str | None, int] = {
 
 def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
     """Absent fields take their defaults; zero is a real value (greedy), never "unset"."""
+    # Counted before anything is converted: a million ids would stall the event loop.
+    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"sampling_params.stop_token_ids: {len(sp.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS} are allowed")
     try:
         return SamplingParams(
             temperature=sp.temperature if sp.HasField("temperature") else 1.0,

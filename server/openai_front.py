@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from kvservice.sampling_params import MAX_STOP_TOKEN_IDS
 from kvservice.server.generation import merge_into_complete
 from kvservice.server.errors import message_for, status_for
 from kvservice.server.generation import new_request_id
@@ -255,6 +256,8 @@ def _stop_token_ids(value: Any, name: str) -> list[int]:
         return []
     if _is_int(value):
         return [value]
+    if isinstance(value, list) and len(value) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"{name}: {len(value)} ids, at most {MAX_STOP_TOKEN_IDS} are allowed")
     if isinstance(value, list) and all(_is_int(t) for t in value):
         return value
     raise ValueError(f"{name}: only token ids are supported (an int or a list of ints), got {value!r}")
