@@ -25,7 +25,7 @@ class ColocatedGenerationService(StreamingGenerationService):
     async def responses(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id or new_request_id()
         with self.metrics.track(request_id, logger) as tracker:
-            prompt = prompt_from_proto(request)
+            prompt = prompt_from_proto(request, self.engine.engine.max_model_len)
             params = sampling_params_from_proto(request.sampling_params)
             async for response in stream_responses(self.engine, prompt, params, request_id):
                 tracker.on_tokens(len(response.token_ids))

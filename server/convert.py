@@ -35,13 +35,27 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         raise ValueError(f"sampling_params.{e}") from None
 
 
-def prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
+def check_prompt_length(request: pb.GenerateRequest, max_model_len: int) -> None:
+    """Refuse a prompt of token ids too long for the model, before anything converts or
+    copies it (millions of ids would stall the event loop)."""
+    if request.WhichOneof("prompt") != "token_ids":
+        return
+    num_tokens = len(request.token_ids.ids)
+    if num_tokens >= max_model_len:
+        raise ValueError(
+            f"prompt: {num_tokens} tokens, but the model's maximum length is {max_model_len} "
+            "(prompt plus at least one generated token)"
+        )
+
+
+def prompt_from_proto(request: pb.GenerateRequest, max_model_len: int) -> str | list[int]:
     kind = request.WhichOneof("prompt")
     if kind == "text":
         if not request.text:
             raise ValueError("prompt: empty text")
         return request.text
     if kind == "token_ids":
+        check_prompt_length(request, max_model_len)
         return list(request.token_ids.ids)
     raise ValueError("prompt: set either text or token_ids")
 

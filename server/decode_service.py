@@ -30,7 +30,7 @@ class DecodeWorkerService(pb_grpc.WorkerServicer):
             with self.metrics.track(inner.request_id, logger) as tracker:
                 if not inner.request_id:
                     raise ValueError("request.request_id: empty (the proxy assigns one)")
-                prompt = prompt_from_proto(inner)
+                prompt = prompt_from_proto(inner, self.engine.engine.max_model_len)
                 params = sampling_params_from_proto(inner.sampling_params)
                 kv_params = None
                 if request.HasField("kv_transfer_params"):

@@ -24,7 +24,14 @@ from kvservice.v1 import kvservice_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+# What a server receives is a request (a prompt, sampling parameters, a pull's ids): 8 MiB
+# holds a prompt of millions of token ids. Only KV chunks are bigger, and servers send those.
+MAX_RECEIVE_MESSAGE_BYTES = 8 << 20
+SERVER_OPTIONS = [
+    *(option for option in GRPC_OPTIONS if option[0] != "grpc.max_receive_message_length"),
+    ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
 
 
 class GrpcServer:

@@ -38,6 +38,9 @@ from kvservice.server.proxy import ProxyService
 from kvservice.v1 import kvservice_pb2 as pb
 
 REQUEST_ID_HEADER = "X-Request-Id"
+# A body is parsed on the proxy's event loop: bound it (a prompt of a model's full length
+# as token ids is well under this).
+MAX_BODY_BYTES = 4 << 20
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -87,7 +90,7 @@ class OpenAIFront:
         return hmac.compare_digest(given.encode(), f"Bearer {self.auth_token}".encode())
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
@@ -115,6 +118,8 @@ class OpenAIFront:
                 body = await request.json()
             except json.JSONDecodeError as e:
                 raise ValueError(f"request body: not JSON ({e})") from None
+            except web.HTTPRequestEntityTooLarge:
+                raise OpenAIError(413, f"request body: larger than {MAX_BODY_BYTES} bytes") from None
             generate_request, stream, include_usage = self._parse(body, request_id)
         except Exception as e:
             return error_response(e, headers)

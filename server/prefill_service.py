@@ -47,7 +47,7 @@ class PrefillWorkerService(pb_grpc.WorkerServicer):
                 if not request.transfer_token:
                     raise ValueError("transfer_token: empty")
                 params = sampling_params_from_proto(inner.sampling_params)
-                token_ids = self.engine.engine.encode(prompt_from_proto(inner))
+                token_ids = self.engine.engine.encode(prompt_from_proto(inner, self.engine.engine.max_model_len))
                 await self.registry.register_when_space(
                     inner.request_id, request.transfer_token, len(token_ids), self.staging_wait_seconds
                 )

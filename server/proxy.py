@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvservice.server.convert import check_prompt_length
 from kvservice.server.errors import NoWorkerAvailable
 from kvservice.server.generation import StreamingGenerationService, new_request_id
 from kvservice.server.metrics import ServerMetrics
@@ -32,6 +33,9 @@ _CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE
 _WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE}
 # Deadline of one request's calls to its workers (the whole decode stream included).
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+# The proxy does not know its workers' model: it refuses only prompts longer than any
+# model's context, before copying them; each worker applies its model's own limit.
+DEFAULT_MAX_MODEL_LEN = 1 << 20
 
 
 class ProxyService(StreamingGenerationService):
@@ -42,10 +46,12 @@ class ProxyService(StreamingGenerationService):
         metrics: ServerMetrics | None = None,
         retry_decode: bool = False,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
     ) -> None:
         if not request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
         self.request_timeout = request_timeout
+        self.max_model_len = max_model_len
         self.prefill = prefill
         self.decode = decode
         # When a decode worker goes away mid-request, restart a reproducible request
@@ -58,6 +64,7 @@ class ProxyService(StreamingGenerationService):
 
         Errors raise (map them with `errors.status_for`); closing the iterator early
         cancels the request on its workers."""
+        check_prompt_length(request, self.max_model_len)
         inner = pb.GenerateRequest()
         inner.CopyFrom(request)
         if not inner.request_id:

@@ -13,10 +13,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
 
+from kvservice.server.grpc_server import MAX_RECEIVE_MESSAGE_BYTES
 from kvservice.server.launcher import LocalCluster
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
@@ -34,7 +36,7 @@ Hostile = Callable[[], Awaitable[object]]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster() -> AsyncIterator[LocalCluster]:
-    async with LocalCluster("tiny", worker_args=WORKER_ARGS, grace_period=2) as c:
+    async with LocalCluster("tiny", worker_args=WORKER_ARGS, proxy_args=["--http-port", "0"], grace_period=2) as c:
         yield c
 
 
@@ -140,3 +142,30 @@ async def test_a_stop_id_outside_the_vocabulary_is_invalid(channels: dict[str, g
             await call()
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
         assert "stop_token_ids" in (refused.value.details() or ""), name
+
+
+async def test_a_5m_token_prompt_is_refused_fast(channels: dict[str, grpc.aio.Channel]) -> None:
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 5_000_000), sampling_params=pb.SamplingParams(max_tokens=4))
+    assert request.ByteSize() < MAX_RECEIVE_MESSAGE_BYTES  # reaches the servicers: refused by length
+    assert_refused(await refused_during_a_stream(channels, hostile_calls(channels, request)), "prompt")
+
+
+async def test_a_message_past_the_servers_limit_is_refused_unread(channels: dict[str, grpc.aio.Channel]) -> None:
+    request = pb.GenerateRequest(text="x" * (MAX_RECEIVE_MESSAGE_BYTES + 1024), sampling_params=pb.SamplingParams(max_tokens=4))
+    for name, call in hostile_calls(channels, request).items():
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call()
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, name
+        assert time.monotonic() - started < REFUSAL_DEADLINE_S, name
+
+
+async def test_an_http_body_past_the_limit_gets_413(cluster: LocalCluster) -> None:
+    body = b'{"model": "kvservice", "prompt": [' + b"1," * (16 << 20) + b'1]}'
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"http://{cluster.child('proxy').http_address}/v1/completions", data=body,
+                                headers={"Content-Type": "application/json"}) as response:
+            assert response.status == 413
+            assert "request body" in (await response.json())["error"]["message"]
+    assert time.monotonic() - started < REFUSAL_DEADLINE_S
