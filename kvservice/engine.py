@@ -16,7 +16,7 @@ from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.kv_cache_manager import KVCacheManager
 from kvservice.model_loader import LoadedModel, load_model, load_model_config
 from kvservice.model_runner import ModelRunner
-from kvservice.request import Request
+from kvservice.request import Request, check_request_id
 from kvservice.sampling_params import SamplingParams
 from kvservice.scheduler import EngineCoreOutput, Scheduler
 from kvservice.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -130,8 +130,7 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if not request_id:
-            raise ValueError("request_id: empty")
+        check_request_id(request_id)
         request = Request(
             request_id,
             token_ids,

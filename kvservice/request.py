@@ -9,6 +9,21 @@ from typing import Any
 
 from kvservice.sampling_params import SamplingParams
 
+# Request ids key state on every server (and are logged): bounded and printable.
+MAX_REQUEST_ID_BYTES = 256
+
+
+def check_request_id(request_id: str, field_name: str = "request_id") -> None:
+    """Raise ValueError (naming `field_name`) unless `request_id` is non-empty, printable
+    and at most MAX_REQUEST_ID_BYTES bytes of UTF-8."""
+    if not request_id:
+        raise ValueError(f"{field_name}: empty")
+    # Characters first: a huge id is refused before it is encoded.
+    if len(request_id) > MAX_REQUEST_ID_BYTES or len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
+        raise ValueError(f"{field_name}: longer than {MAX_REQUEST_ID_BYTES} bytes")
+    if not request_id.isprintable():
+        raise ValueError(f"{field_name}: only printable characters are allowed")
+
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()

@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from kvservice.request import check_request_id
 from kvservice.sampling_params import MAX_STOP_TOKEN_IDS
 from kvservice.server.generation import merge_into_complete
 from kvservice.server.errors import message_for, status_for
@@ -112,6 +113,10 @@ class OpenAIFront:
         if not self._is_authorized(request):
             return _unauthorized()
         request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
+        try:
+            check_request_id(request_id, REQUEST_ID_HEADER)
+        except ValueError as e:
+            return error_response(e, {})
         headers = {REQUEST_ID_HEADER: request_id}
         try:
             try:

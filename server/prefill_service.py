@@ -14,6 +14,7 @@ from dataclasses import replace
 import grpc
 
 from kvservice.async_engine import AsyncLLMEngine
+from kvservice.request import check_request_id
 from kvservice.connector.prefill_connector import TRANSFER_TOKEN
 from kvservice.connector.transfer_registry import TransferRegistry
 from kvservice.sampling_params import SamplingParams
@@ -38,12 +39,13 @@ class PrefillWorkerService(pb_grpc.WorkerServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         inner = request.request
+        is_valid_id = False
         registered = False
         completed = False
         try:
+            check_request_id(inner.request_id, "request.request_id")
+            is_valid_id = True
             with self.metrics.track(inner.request_id, logger) as tracker:
-                if not inner.request_id:
-                    raise ValueError("request.request_id: empty (the proxy assigns one)")
                 if not request.transfer_token:
                     raise ValueError("transfer_token: empty")
                 params = sampling_params_from_proto(inner.sampling_params)
@@ -79,10 +81,16 @@ class PrefillWorkerService(pb_grpc.WorkerServicer):
         finally:
             if registered and not completed:
                 self.registry.fail(inner.request_id, "the prefill did not complete")
-            elif not registered and inner.request_id:
-                self.registry.reject(inner.request_id, "the prefill request was refused")
+            elif not registered and is_valid_id:
+                self.registry.reject(inner.request_id, request.transfer_token, "the prefill request was refused")
 
     async def ReleaseKV(self, request: pb.ReleaseKVRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseKVResponse:
+        try:
+            check_request_id(request.request_id)
+            if not request.transfer_token:
+                raise ValueError("transfer_token: empty")
+        except ValueError as e:
+            await abort_with(context, e)
         return pb.ReleaseKVResponse(was_staged=self.registry.release(request.request_id, request.transfer_token))
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
