@@ -5,6 +5,10 @@ forward. Commands (add, abort) reach the thread through a queue and are applied
 between steps; outputs come back through `loop.call_soon_threadsafe`, one batch per
 step. A step with nothing to compute (requests only waiting for remote KV) waits on a
 wake-up event that the connector sets when a transfer finishes, never spinning.
+
+When a step raises, the engine is dead: every stream, every queued command and every
+later call fails with EngineDeadError, and `wait_failed` returns the error so the
+server can stop serving and exit non-zero (an orchestrator restarts it).
 """
 
 from __future__ import annotations
@@ -74,6 +78,11 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # Guards `_is_closed` against a command put while the step thread drains the queue:
+        # once closed, nothing enters the queue, so no future is left unresolved.
+        self._submit_lock = threading.Lock()
+        self._is_closed = False
+        self._failed: asyncio.Future[BaseException] | None = None
         self.error: BaseException | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -81,6 +90,7 @@ class AsyncLLMEngine:
     def start(self) -> None:
         """Start the step thread; must be called from the event loop that will consume outputs."""
         self._loop = asyncio.get_running_loop()
+        self._failed = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._thread.start()
 
@@ -97,6 +107,11 @@ class AsyncLLMEngine:
     def wake(self) -> None:
         """Thread-safe: let an idle step loop run (a transfer finished)."""
         self._wakeup.set()
+
+    async def wait_failed(self) -> BaseException:
+        """Return the error that killed the step loop, once it has (never, on a clean stop)."""
+        assert self._failed is not None, "start() first"
+        return await asyncio.shield(self._failed)
 
     @property
     def is_alive(self) -> bool:
@@ -120,8 +135,7 @@ class AsyncLLMEngine:
         # The id is fixed here, so a caller cancelled while the add is still queued can
         # abort it too (the abort follows the add through the same queue).
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        self._commands.put(_Add(prompt, params, rid, kv_transfer_params, future, outputs))
-        self._wakeup.set()
+        self._submit(_Add(prompt, params, rid, kv_transfer_params, future, outputs))
         finished = False
         try:
             await future
@@ -140,16 +154,30 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Thread-safe and idempotent: abort a request wherever it is."""
-        self._commands.put(_Abort(request_id))
-        self._wakeup.set()
+        self._submit(_Abort(request_id))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(engine)` on the step thread between steps and return its result."""
-        assert self._loop is not None
+        if self._loop is None:
+            raise EngineDeadError("engine is not running")
         future: asyncio.Future[Any] = self._loop.create_future()
-        self._commands.put(_Call(fn, future))
-        self._wakeup.set()
+        self._submit(_Call(fn, future))
         return await future
+
+    def _submit(self, command: _Add | _Abort | _Call) -> None:
+        """Queue a command for the step thread; after it has ended, fail the command at once."""
+        with self._submit_lock:
+            if not self._is_closed:
+                self._commands.put(command)
+                self._wakeup.set()
+                return
+        if not isinstance(command, _Abort):
+            command.future.set_exception(self._dead_error())
+
+    def _dead_error(self) -> EngineDeadError:
+        if self.error is not None:
+            return EngineDeadError(f"engine step failed: {self.error!r}")
+        return EngineDeadError("engine stopped")
 
     # ------------------------------------------------------------ the step thread
 
@@ -175,9 +203,25 @@ class AsyncLLMEngine:
         except BaseException as e:  # the loop must report, not vanish
             logger.exception("engine step loop failed")
             self.error = e
-            self._fail_all(EngineDeadError(f"engine step failed: {e!r}"))
+            self._close()
+            self._fail_all(self._dead_error())
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(_settle, self._failed, e)
             return
+        self._close()
         self._abort_all()
+
+    def _close(self) -> None:
+        """Refuse new commands and fail the ones still queued."""
+        with self._submit_lock:
+            self._is_closed = True
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, (_Add, _Call)):
+                self._resolve(command.future, None, self._dead_error())
 
     def _apply_commands(self) -> None:
         while True:
@@ -252,6 +296,11 @@ class AsyncLLMEngine:
         self._streams.clear()
         if batch and self._loop is not None:
             self._loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _settle(future: asyncio.Future[BaseException] | None, error: BaseException) -> None:
+    if future is not None and not future.done():
+        future.set_result(error)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue[Any], Any]]) -> None:

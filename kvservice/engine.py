@@ -18,7 +18,7 @@ from kvservice.kv_cache_manager import KVCacheManager
 from kvservice.model_loader import LoadedModel, load_model, load_model_config
 from kvservice.model_runner import ModelRunner
 from kvservice.outputs import EngineCoreOutput
-from kvservice.request import Request, RequestStatus
+from kvservice.request import Request, RequestStatus, check_request_id
 from kvservice.sampling_params import SamplingParams
 from kvservice.scheduler import Scheduler
 from kvservice.stop_checker import OutputText
@@ -131,10 +131,13 @@ class LLMEngine:
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> str:
         token_ids = self.encode(prompt)
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
         output_text = OutputText(self.tokenizer, params.stop)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if not request_id:
-            raise ValueError("request_id: empty")
+        check_request_id(request_id)
         request = Request(
             request_id,
             token_ids,

@@ -9,6 +9,21 @@ from typing import Any
 
 from kvservice.sampling_params import SamplingParams
 
+# Request ids key state on every server (and are logged): bounded and printable.
+MAX_REQUEST_ID_BYTES = 256
+
+
+def check_request_id(request_id: str, field_name: str = "request_id") -> None:
+    """Raise ValueError (naming `field_name`) unless `request_id` is non-empty, printable
+    and at most MAX_REQUEST_ID_BYTES bytes of UTF-8."""
+    if not request_id:
+        raise ValueError(f"{field_name}: empty")
+    # Characters first: a huge id is refused before it is encoded.
+    if len(request_id) > MAX_REQUEST_ID_BYTES or len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
+        raise ValueError(f"{field_name}: longer than {MAX_REQUEST_ID_BYTES} bytes")
+    if not request_id.isprintable():
+        raise ValueError(f"{field_name}: only printable characters are allowed")
+
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
@@ -71,9 +86,11 @@ class Request:
     # this request's tokens the draft's own KV cache covers.
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_computed_tokens: int = 0
+    stop_token_ids: frozenset[int] = field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.stop_token_ids = frozenset(self.sampling_params.stop_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -102,7 +119,7 @@ class Request:
         last = self.output_token_ids[-1]
         if not params.ignore_eos and last in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
+        if last in self.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 _GREEDY_EPSILON = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# Each generated token is checked against the stop ids: the count is bounded so neither
+# validation nor that check can be made to cost more than a step.
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +42,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS} are allowed")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
         # Accept any iterable of ids (a list from user code) but store a tuple: frozen stays frozen.

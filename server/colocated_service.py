@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvservice.async_engine import AsyncLLMEngine
+from kvservice.request import check_request_id
 from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
 from kvservice.server.generation import (
     StreamingGenerationService,
@@ -27,9 +28,11 @@ class ColocatedGenerationService(StreamingGenerationService):
         self.metrics = metrics if metrics is not None else ServerMetrics(role)
 
     async def responses(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        if request.request_id:
+            check_request_id(request.request_id)
         request_id = request.request_id or new_request_id()
         with self.metrics.track(request_id, logger) as tracker:
-            prompt = prompt_from_proto(request)
+            prompt = prompt_from_proto(request, self.engine.engine.max_model_len)
             params = sampling_params_from_proto(request.sampling_params)
             async for response in stream_responses(self.engine, prompt, params, request_id):
                 tracker.on_tokens(len(response.token_ids))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvservice.chat_template import ChatPrompt, Prompt
 from kvservice.engine import RequestOutput
 from kvservice.finish_reason import finish_reason_to_proto
-from kvservice.sampling_params import SamplingParams
+from kvservice.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from kvservice.v1 import kvservice_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16
@@ -13,6 +13,9 @@ DEFAULT_MAX_TOKENS = 16
 
 def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
     """Absent fields take their defaults; zero is a real value (greedy), never "unset"."""
+    # Counted before anything is converted: a million ids would stall the event loop.
+    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"sampling_params.stop_token_ids: {len(sp.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS} are allowed")
     try:
         return SamplingParams(
             temperature=sp.temperature if sp.HasField("temperature") else 1.0,
@@ -28,13 +31,27 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         raise ValueError(f"sampling_params.{e}") from None
 
 
-def prompt_from_proto(request: pb.GenerateRequest) -> Prompt:
+def check_prompt_length(request: pb.GenerateRequest, max_model_len: int) -> None:
+    """Refuse a prompt of token ids too long for the model, before anything converts or
+    copies it (millions of ids would stall the event loop)."""
+    if request.WhichOneof("prompt") != "token_ids":
+        return
+    num_tokens = len(request.token_ids.ids)
+    if num_tokens >= max_model_len:
+        raise ValueError(
+            f"prompt: {num_tokens} tokens, but the model's maximum length is {max_model_len} "
+            "(prompt plus at least one generated token)"
+        )
+
+
+def prompt_from_proto(request: pb.GenerateRequest, max_model_len: int) -> Prompt:
     kind = request.WhichOneof("prompt")
     if kind == "text":
         if not request.text:
             raise ValueError("prompt: empty text")
         return request.text
     if kind == "token_ids":
+        check_prompt_length(request, max_model_len)
         return list(request.token_ids.ids)
     if kind == "chat":
         chat = request.chat

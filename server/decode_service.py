@@ -9,6 +9,7 @@ import grpc
 
 from kvservice.async_engine import AsyncLLMEngine
 from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN
+from kvservice.request import check_request_id
 from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
 from kvservice.server.errors import abort_with
 from kvservice.server.generation import stream_responses
@@ -27,10 +28,9 @@ class DecodeWorkerService(pb_grpc.WorkerServicer):
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
             inner = request.request
+            check_request_id(inner.request_id, "request.request_id")
             with self.metrics.track(inner.request_id, logger) as tracker:
-                if not inner.request_id:
-                    raise ValueError("request.request_id: empty (the proxy assigns one)")
-                prompt = prompt_from_proto(inner)
+                prompt = prompt_from_proto(inner, self.engine.engine.max_model_len)
                 params = sampling_params_from_proto(inner.sampling_params)
                 kv_params = None
                 if request.HasField("kv_transfer_params"):

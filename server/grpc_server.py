@@ -23,7 +23,14 @@ from kvservice.v1 import kvservice_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+# What a server receives is a request (a prompt, sampling parameters, a pull's ids): 8 MiB
+# holds a prompt of millions of token ids. Only KV chunks are bigger, and servers send those.
+MAX_RECEIVE_MESSAGE_BYTES = 8 << 20
+SERVER_OPTIONS = [
+    *(option for option in GRPC_OPTIONS if option[0] != "grpc.max_receive_message_length"),
+    ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
 
 
 class GrpcServer:
@@ -62,10 +69,15 @@ class GrpcServer:
             await self.health.set(name, status)
 
     async def run_until_signalled(
-        self, grace: float, on_stop: Callable[[], Awaitable[None]] | None = None, ready_line: str | None = None
+        self,
+        grace: float,
+        on_stop: Callable[[], Awaitable[None]] | None = None,
+        ready_line: str | None = None,
+        stop: asyncio.Event | None = None,
     ) -> None:
-        """Start, print `ready_line` (tests and the launcher wait for it), serve until SIGTERM/SIGINT."""
-        stop = asyncio.Event()
+        """Start, print `ready_line` (tests and the launcher wait for it), serve until
+        SIGTERM/SIGINT or until `stop` is set (the server's own fatal error)."""
+        stop = stop if stop is not None else asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)

@@ -29,13 +29,17 @@ from typing import Any
 from aiohttp import web
 
 from kvservice.finish_reason import finish_reason_from_proto
+from kvservice.request import check_request_id
 from kvservice.server.auth import BearerToken
 from kvservice.server.generation import merge_into_complete, new_request_id
-from kvservice.server.openai_protocol import error_body, parse_completion_request, usage
+from kvservice.server.openai_protocol import OpenAIError, error_body, parse_completion_request, usage
 from kvservice.server.proxy import ProxyService
 from kvservice.v1 import kvservice_pb2 as pb
 
 REQUEST_ID_HEADER = "X-Request-Id"
+# A body is parsed on the proxy's event loop: bound it (a prompt of a model's full length
+# as token ids is well under this).
+MAX_BODY_BYTES = 4 << 20
 
 class OpenAIFront:
     """The HTTP routes; `app()` builds the aiohttp application (serve it with `metrics.start_http`)."""
@@ -53,7 +57,7 @@ class OpenAIFront:
         return self.auth_token is None or self.auth_token.matches(request.headers.get("Authorization"))
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
@@ -75,12 +79,18 @@ class OpenAIFront:
         if not self._is_authorized(request):
             return _unauthorized()
         request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
+        try:
+            check_request_id(request_id, REQUEST_ID_HEADER)
+        except ValueError as e:
+            return error_response(e, {})
         headers = {REQUEST_ID_HEADER: request_id}
         try:
             try:
                 body = await request.json()
             except json.JSONDecodeError as e:
                 raise ValueError(f"request body: not JSON ({e})") from None
+            except web.HTTPRequestEntityTooLarge:
+                raise OpenAIError(413, f"request body: larger than {MAX_BODY_BYTES} bytes") from None
             parsed = parse_completion_request(body, request_id, self.model_name)
         except Exception as e:
             return error_response(e, headers)

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from kvservice.sampling_params import MAX_STOP_TOKEN_IDS
 from kvservice.server.errors import message_for, status_for
 from kvservice.v1 import kvservice_pb2 as pb
 
@@ -126,6 +127,8 @@ def _stop_token_ids(value: Any, name: str) -> list[int]:
         return []
     if _is_int(value):
         return [value]
+    if isinstance(value, list) and len(value) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"{name}: {len(value)} ids, at most {MAX_STOP_TOKEN_IDS} are allowed")
     if isinstance(value, list) and all(_is_int(t) for t in value):
         return value
     kinds = "a string, a list of strings, or token ids" if name == "stop" else "token ids (an int or a list of ints)"

@@ -17,6 +17,7 @@ from kvservice.async_engine import AsyncLLMEngine
 from kvservice.connector.base import TRANSFER_TOKEN
 from kvservice.connector.transfer_registry import TransferRegistry
 from kvservice.finish_reason import finish_reason_to_proto
+from kvservice.request import check_request_id
 from kvservice.sampling_params import SamplingParams
 from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
 from kvservice.server.errors import RequestFailed, abort_with
@@ -40,16 +41,17 @@ class PrefillWorkerService(pb_grpc.WorkerServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         inner = request.request
+        is_valid_id = False
         registered = False
         completed = False
         try:
+            check_request_id(inner.request_id, "request.request_id")
+            is_valid_id = True
             with self.metrics.track(inner.request_id, logger) as tracker:
-                if not inner.request_id:
-                    raise ValueError("request.request_id: empty (the proxy assigns one)")
                 if not request.transfer_token:
                     raise ValueError("transfer_token: empty")
                 params = sampling_params_from_proto(inner.sampling_params)
-                token_ids = self.engine.engine.encode(prompt_from_proto(inner))
+                token_ids = self.engine.engine.encode(prompt_from_proto(inner, self.engine.engine.max_model_len))
                 await self.registry.register_when_space(
                     inner.request_id, request.transfer_token, len(token_ids), self.staging_wait_seconds
                 )
@@ -81,10 +83,16 @@ class PrefillWorkerService(pb_grpc.WorkerServicer):
         finally:
             if registered and not completed:
                 self.registry.fail(inner.request_id, "the prefill did not complete")
-            elif not registered and inner.request_id:
-                self.registry.reject(inner.request_id, "the prefill request was refused")
+            elif not registered and is_valid_id:
+                self.registry.reject(inner.request_id, request.transfer_token, "the prefill request was refused")
 
     async def ReleaseKV(self, request: pb.ReleaseKVRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseKVResponse:
+        try:
+            check_request_id(request.request_id)
+            if not request.transfer_token:
+                raise ValueError("transfer_token: empty")
+        except ValueError as e:
+            await abort_with(context, e)
         return pb.ReleaseKVResponse(was_staged=self.registry.release(request.request_id, request.transfer_token))
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:

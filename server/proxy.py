@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvservice.request import check_request_id
+from kvservice.server.convert import check_prompt_length
 from kvservice.server.errors import NoWorkerAvailable
 from kvservice.server.generation import StreamingGenerationService, new_request_id
 from kvservice.server.metrics import ServerMetrics
@@ -30,12 +32,27 @@ logger = logging.getLogger(__name__)
 _CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 # Errors that suggest the worker is gone: stop routing to it until its health check passes.
 _WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE}
+# Deadline of one request's calls to its workers (the whole decode stream included).
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+# The proxy does not know its workers' model: it refuses only prompts longer than any
+# model's context, before copying them; each worker applies its model's own limit.
+DEFAULT_MAX_MODEL_LEN = 1 << 20
 
 
 class ProxyService(StreamingGenerationService):
     def __init__(
-        self, prefill: WorkerPool, decode: WorkerPool, metrics: ServerMetrics | None = None, retry_decode: bool = False
+        self,
+        prefill: WorkerPool,
+        decode: WorkerPool,
+        metrics: ServerMetrics | None = None,
+        retry_decode: bool = False,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
     ) -> None:
+        if not request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
+        self.request_timeout = request_timeout
+        self.max_model_len = max_model_len
         self.prefill = prefill
         self.decode = decode
         # When a decode worker goes away mid-request, restart a reproducible request
@@ -48,6 +65,9 @@ class ProxyService(StreamingGenerationService):
 
         Errors raise (map them with `errors.status_for`); closing the iterator early
         cancels the request on its workers."""
+        check_prompt_length(request, self.max_model_len)
+        if request.request_id:
+            check_request_id(request.request_id)
         inner = pb.GenerateRequest()
         inner.CopyFrom(request)
         if not inner.request_id:
@@ -95,7 +115,7 @@ class ProxyService(StreamingGenerationService):
                     yield response
 
     async def _decode_only(self, decode_worker: WorkerHandle, inner: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        call = decode_worker.stub.Decode(pb.DecodeRequest(request=inner))
+        call = decode_worker.stub.Decode(pb.DecodeRequest(request=inner), timeout=self.request_timeout)
         try:
             async for response in call:
                 yield response
@@ -113,12 +133,15 @@ class ProxyService(StreamingGenerationService):
             pb.DecodeRequest(
                 request=inner,
                 kv_transfer_params=pb.KVTransferParams(remote_address=prefill_worker.address, transfer_token=token),
-            )
+            ),
+            timeout=self.request_timeout,
         )
-        prefill = asyncio.ensure_future(prefill_worker.stub.Prefill(pb.PrefillRequest(request=inner, transfer_token=token)))
+        prefill = asyncio.ensure_future(
+            prefill_worker.stub.Prefill(pb.PrefillRequest(request=inner, transfer_token=token), timeout=self.request_timeout)
+        )
         decode_stream = decode_call.__aiter__()
-        # The Prefill call has no deadline of its own: when its worker is cut off, the decode
-        # worker's pull times out, it recomputes, and its first token ends the wait instead.
+        # When the prefill worker is cut off, the decode worker's pull times out, it
+        # recomputes, and its first token ends the wait before the Prefill's deadline.
         next_decode = asyncio.ensure_future(_next_or_none(decode_stream))
         try:
             first: pb.PrefillResponse | None = None

@@ -21,7 +21,7 @@ from kvservice.server.metrics import (
     start_http,
 )
 from kvservice.server.openai_front import OpenAIFront
-from kvservice.server.proxy import ProxyService
+from kvservice.server.proxy import DEFAULT_REQUEST_TIMEOUT_S, ProxyService
 from kvservice.server.worker_pool import WorkerPool
 from kvservice.tls import TLSFiles, add_tls_arguments
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
@@ -45,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="when a decode worker is lost mid-request, restart greedy or seeded requests on another "
         "decode worker (tokens the client has are not sent again) instead of failing them with UNAVAILABLE",
     )
+    parser.add_argument(
+        "--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+        help=f"deadline of one request's calls to its workers, whole stream included, seconds (default: {DEFAULT_REQUEST_TIMEOUT_S:g})",
+    )
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
     add_tls_arguments(parser)
 
@@ -52,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     try:
+        if not args.request_timeout > 0:
+            raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
         tls = TLSFiles.from_args(args)
         tls.server_credentials()  # unreadable files fail here, with exit code 2
     except ValueError as e:
@@ -70,7 +76,7 @@ async def serve(args: argparse.Namespace) -> int:
     assert metrics.workers_healthy is not None
     metrics.workers_healthy.labels("prefill").set_function(lambda: prefill.num_healthy)
     metrics.workers_healthy.labels("decode").set_function(lambda: decode.num_healthy)
-    service = ProxyService(prefill, decode, metrics, retry_decode=args.retry_decode)
+    service = ProxyService(prefill, decode, metrics, retry_decode=args.retry_decode, request_timeout=args.request_timeout)
     interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
     server = GrpcServer([SERVICE_NAMES["generation"]], tls.server_credentials(), interceptors)
     pb_grpc.add_GenerationServicer_to_server(service, server.server)

@@ -176,8 +176,13 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         ready_line += f"; metrics on {args.host}:{metrics_port}"
 
     reaper = asyncio.create_task(_expire_leases(registry)) if registry is not None else None
+    stop = asyncio.Event()
+    watchdog = asyncio.create_task(_stop_when_engine_fails(async_engine, server, stop))
 
     async def on_stop() -> None:
+        watchdog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watchdog
         if reaper is not None:
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -188,8 +193,19 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         if connector is not None:
             connector.shutdown()
 
-    await server.run_until_signalled(args.grace_period, on_stop, ready_line=ready_line)
+    await server.run_until_signalled(args.grace_period, on_stop, ready_line=ready_line, stop=stop)
+    if async_engine.error is not None:
+        print(f"kvservice serve: error: the engine failed: {async_engine.error!r}", file=sys.stderr)
+        return 1
     return 0
+
+
+async def _stop_when_engine_fails(engine: AsyncLLMEngine, server: GrpcServer, stop: asyncio.Event) -> None:
+    """A dead engine serves nothing: report NOT_SERVING at once, then stop (exit non-zero)."""
+    error = await engine.wait_failed()
+    logger.critical("engine failed, stopping the worker: %r", error)
+    await server.set_serving(False)
+    stop.set()
 
 
 async def _expire_leases(registry: TransferRegistry | None) -> None:

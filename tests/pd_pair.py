@@ -78,9 +78,9 @@ class ObservedRegistry(TransferRegistry):
         self.pull_arrived = asyncio.Event()
         self.pull_started = asyncio.Event()
 
-    async def wait_registered(self, request_id: str, timeout: float) -> StagedTransfer:
+    async def wait_registered(self, request_id: str, token: bytes, timeout: float) -> StagedTransfer:
         self.pull_arrived.set()
-        return await super().wait_registered(request_id, timeout)
+        return await super().wait_registered(request_id, token, timeout)
 
     def start_pull(self, transfer: StagedTransfer, token: bytes) -> asyncio.Event:
         changed = super().start_pull(transfer, token)

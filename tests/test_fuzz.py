@@ -116,7 +116,7 @@ def wellformed_requests(draw: st.DrawFn) -> pb.GenerateRequest:
         seed=draw(st.integers(-(2**63), 2**63 - 1)),
         ignore_eos=draw(st.booleans()),
     )
-    sp.stop_token_ids.extend(draw(st.lists(st.integers(0, 2**31 - 1), max_size=3)))
+    sp.stop_token_ids.extend(draw(st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=3)))  # inside the vocabulary
     request = pb.GenerateRequest(sampling_params=sp)
     if draw(st.booleans()):
         request.text = draw(st.text(min_size=1, max_size=40))

@@ -39,6 +39,7 @@ def sample(llm: LLM, prompt: list[int], **params: object) -> list[int]:
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": -3}, "max_tokens"),
         ({"stop_token_ids": [5, -1]}, "stop_token_ids"),
+        ({"stop_token_ids": range(1025)}, "stop_token_ids"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs: dict[str, object], field: str) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import (
+    MAX_REJECTED,
     StagedTransfer,
     StagingExhausted,
     TransferDenied,
@@ -132,7 +133,7 @@ async def test_register_when_space_fails_at_once_when_it_can_never_fit() -> None
 
 async def test_early_pull_waits_for_registration() -> None:
     registry = make_registry()
-    pull = asyncio.ensure_future(registry.wait_registered("a", timeout=WAIT))
+    pull = asyncio.ensure_future(registry.wait_registered("a", TOKEN, timeout=WAIT))
     await _let_started_tasks_run()
     assert not pull.done(), "the pull did not wait for the prefill to register"
     transfer = registry.register("a", TOKEN, num_tokens=4)
@@ -142,22 +143,22 @@ async def test_early_pull_waits_for_registration() -> None:
 async def test_pull_after_registration_returns_at_once() -> None:
     registry = make_registry()
     transfer = registry.register("a", TOKEN, num_tokens=4)
-    assert await registry.wait_registered("a", timeout=0.0) is transfer
+    assert await registry.wait_registered("a", TOKEN, timeout=0.0) is transfer
 
 
 async def test_pull_for_a_transfer_never_registered_ends_at_its_deadline() -> None:
     registry = make_registry()
     with pytest.raises(TransferNotFound, match="no transfer registered"):
-        await registry.wait_registered("ghost", timeout=0.0)
+        await registry.wait_registered("ghost", TOKEN, timeout=0.0)
 
 
 async def test_reject_makes_a_waiting_early_pull_fail_at_once() -> None:
     registry = make_registry()
-    pull = asyncio.ensure_future(registry.wait_registered("a", timeout=WAIT))
+    pull = asyncio.ensure_future(registry.wait_registered("a", TOKEN, timeout=WAIT))
     await _let_started_tasks_run()
     assert not pull.done()
     started = time.monotonic()
-    registry.reject("a", "staging full")
+    registry.reject("a", TOKEN, "staging full")
     with pytest.raises(TransferNotFound, match="staging full"):
         await asyncio.wait_for(pull, WAIT)
     assert time.monotonic() - started < WAIT / 2  # woken by the rejection, not by its deadline
@@ -165,15 +166,15 @@ async def test_reject_makes_a_waiting_early_pull_fail_at_once() -> None:
 
 async def test_pull_arriving_after_a_rejection_fails_at_once() -> None:
     registry = make_registry()
-    registry.reject("a", "invalid prompt")
+    registry.reject("a", TOKEN, "invalid prompt")
     with pytest.raises(TransferNotFound, match="invalid prompt"):
-        await asyncio.wait_for(registry.wait_registered("a", timeout=WAIT), WAIT / 2)
+        await asyncio.wait_for(registry.wait_registered("a", TOKEN, timeout=WAIT), WAIT / 2)
 
 
 def test_reject_does_not_touch_a_registered_transfer() -> None:
     registry = make_registry()
     transfer = registry.register("a", TOKEN, num_tokens=4)
-    registry.reject("a", "late refusal")
+    registry.reject("a", TOKEN, "late refusal")
     assert registry.get("a") is transfer and transfer.state is TransferState.STAGING
 
 
@@ -293,12 +294,12 @@ def test_lease_expiry_waits_for_a_pinned_writer() -> None:
 
 async def test_rejections_are_forgotten_when_their_lease_runs_out() -> None:
     registry = make_registry()
-    registry.reject("a", "refused")
+    registry.reject("a", TOKEN, "refused")
     with pytest.raises(TransferNotFound, match="refused"):
-        await registry.wait_registered("a", timeout=0.0)
+        await registry.wait_registered("a", TOKEN, timeout=0.0)
     registry.expire(now=time.monotonic() + 2 * LEASE)
     # A later pull for the id waits for a registration again instead of failing as refused.
-    pull = asyncio.ensure_future(registry.wait_registered("a", timeout=WAIT))
+    pull = asyncio.ensure_future(registry.wait_registered("a", TOKEN, timeout=WAIT))
     await _let_started_tasks_run()
     assert not pull.done()
     transfer = registry.register("a", TOKEN, num_tokens=4)
@@ -329,6 +330,44 @@ async def test_a_request_id_registered_after_an_earlier_refusal_can_be_pulled() 
     """A client retries a refused request (staging was full) with the same request id; this
     time the prefill registers. The retry's pull must get the transfer, not the old refusal."""
     registry = make_registry()
-    registry.reject("a", "staging full")
+    registry.reject("a", TOKEN, "staging full")
     transfer = registry.register("a", TOKEN, num_tokens=4)
-    assert await registry.wait_registered("a", timeout=0.0) is transfer
+    assert await registry.wait_registered("a", TOKEN, timeout=0.0) is transfer
+
+
+# ---------------------------------------------------------------- refusals need the token
+
+
+async def test_a_release_with_another_token_leaves_a_waiting_pull_waiting() -> None:
+    """A caller that does not hold the transfer's token cannot fail its early pull."""
+    registry = make_registry()
+    pull = asyncio.ensure_future(registry.wait_registered("a", TOKEN, timeout=WAIT))
+    await _let_started_tasks_run()
+    assert registry.release("a", b"guessed-token") is False
+    await _let_started_tasks_run()
+    await _let_started_tasks_run()
+    assert not pull.done(), "a release without the token failed the pull"
+    transfer = registry.register("a", TOKEN, num_tokens=4)
+    assert await asyncio.wait_for(pull, WAIT) is transfer
+
+
+async def test_a_release_with_the_token_fails_a_waiting_pull_at_once() -> None:
+    registry = make_registry()
+    pull = asyncio.ensure_future(registry.wait_registered("a", TOKEN, timeout=WAIT))
+    await _let_started_tasks_run()
+    started = time.monotonic()
+    assert registry.release("a", TOKEN) is False
+    with pytest.raises(TransferNotFound, match="released"):
+        await asyncio.wait_for(pull, WAIT)
+    assert time.monotonic() - started < WAIT / 2
+
+
+async def test_remembered_refusals_are_bounded() -> None:
+    registry = make_registry()
+    for i in range(MAX_REJECTED + 1):
+        registry.reject(f"r{i}", TOKEN, "refused")
+    # The oldest refusal is forgotten: its pull waits for a registration (deadline 0 here).
+    with pytest.raises(TransferNotFound, match="no transfer registered"):
+        await registry.wait_registered("r0", TOKEN, timeout=0.0)
+    with pytest.raises(TransferNotFound, match="refused"):
+        await registry.wait_registered(f"r{MAX_REJECTED}", TOKEN, timeout=0.0)

@@ -24,6 +24,7 @@ from kvservice.connector.transfer_registry import (
 )
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.outputs import KVTransferCounters
+from kvservice.request import check_request_id
 from kvservice.v1 import kvservice_pb2 as pb
 
 PULL_KV_METHOD = "/kvservice.v1.KVTransfer/PullKV"
@@ -65,14 +66,16 @@ class KVTransferService:
         )
 
     async def pull_kv(self, request: pb.PullKVRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        try:
+            check_request_id(request.request_id)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         layout = self.registry.layout
         mismatch = _layout_mismatch(request, layout, self._dtype)
         if mismatch:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
-        if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: empty")
         try:
-            transfer = await self.registry.wait_registered(request.request_id, self.registration_timeout)
+            transfer = await self.registry.wait_registered(request.request_id, request.transfer_token, self.registration_timeout)
             changed = self.registry.start_pull(transfer, request.transfer_token)
         except TransferNotFound as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))

@@ -23,6 +23,10 @@ import torch
 from kvservice.connector.staging import StagingBuffer, StagingPool
 from kvservice.kv_cache import KVCacheLayout
 
+# Refusals remembered at once (each for a lease); past this the oldest are forgotten, so a
+# flood of refusals costs bounded memory (request ids are at most 256 bytes).
+MAX_REJECTED = 4096
+
 
 class TransferError(Exception):
     """Base of the registry's errors; each maps to one gRPC status code at the edge."""
@@ -88,8 +92,9 @@ class TransferRegistry:
         # Pulls that arrived before their transfer was registered.
         self._registration_waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._space_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-        # Requests whose prefill was refused before registering: early pulls fail at once.
-        self._rejected: dict[str, tuple[str, float]] = {}
+        # Requests whose prefill was refused (or released) before registering: early pulls
+        # holding the same token fail at once. request_id -> (token, error, forget at).
+        self._rejected: dict[str, tuple[bytes, str, float]] = {}
         self.on_release: Callable[[StagedTransfer], None] | None = None
 
     def transfer_bytes(self, num_tokens: int) -> int:
@@ -141,12 +146,16 @@ class TransferRegistry:
                 with self._lock:
                     self._space_waiters = [w for w in self._space_waiters if w[1] is not event]
 
-    def reject(self, request_id: str, error: str) -> None:
-        """The prefill for `request_id` will never register (refused, invalid): pulls fail now."""
+    def reject(self, request_id: str, token: bytes, error: str) -> None:
+        """The prefill for `request_id` with `token` will never register (refused, invalid,
+        released): pulls with that token fail now; pulls with another token keep waiting."""
         with self._lock:
             if request_id in self._transfers:
                 return
-            self._rejected[request_id] = (error, time.monotonic() + self.lease_seconds)
+            self._rejected.pop(request_id, None)
+            self._rejected[request_id] = (token, error, time.monotonic() + self.lease_seconds)
+            while len(self._rejected) > MAX_REJECTED:
+                del self._rejected[next(iter(self._rejected))]
             waiters = self._registration_waiters.pop(request_id, [])
         _wake(waiters)
 
@@ -212,9 +221,9 @@ class TransferRegistry:
             if transfer is not None and not hmac.compare_digest(transfer.token, token):
                 return False
         if transfer is None:
-            # Not registered (yet, or ever): a pull that is waiting for it must not wait out
-            # its registration deadline. A later registration clears this.
-            self.reject(request_id, "released by the router before it was registered")
+            # Not registered (yet, or ever): a pull that is waiting for it with the same token
+            # must not wait out its registration deadline. A later registration clears this.
+            self.reject(request_id, token, "released by the router before it was registered")
             return False
         self.fail(request_id, "released: the router gave this transfer up")
         return True
@@ -235,35 +244,35 @@ class TransferRegistry:
 
     # ------------------------------------------------------------ pulling (server loop)
 
-    async def wait_registered(self, request_id: str, timeout: float) -> StagedTransfer:
-        """The transfer, waiting up to `timeout` for its prefill request to register it."""
-        event = asyncio.Event()
-        with self._lock:
-            transfer = self._transfers.get(request_id)
-            rejected = self._rejected.get(request_id)
-            if transfer is None and rejected is not None:
-                raise TransferNotFound(f"the prefill of request_id {request_id!r} was refused: {rejected[0]}")
-            if transfer is None:
-                self._registration_waiters.setdefault(request_id, []).append((asyncio.get_running_loop(), event))
-        if transfer is not None:
-            return transfer
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            raise TransferNotFound(f"no transfer registered for request_id {request_id!r}") from None
-        finally:
+    async def wait_registered(self, request_id: str, token: bytes, timeout: float) -> StagedTransfer:
+        """The transfer, waiting up to `timeout` for its prefill request to register it.
+        Only a refusal or release made with the pull's own `token` ends the wait early."""
+        deadline = time.monotonic() + timeout
+        was_woken = False
+        while True:
+            event = asyncio.Event()
             with self._lock:
-                waiters = self._registration_waiters.get(request_id, [])
-                waiters[:] = [w for w in waiters if w[1] is not event]
-                if not waiters:
-                    self._registration_waiters.pop(request_id, None)
-        with self._lock:
-            transfer = self._transfers.get(request_id)
-            rejected = self._rejected.get(request_id)
-        if transfer is None:
-            reason = f": {rejected[0]}" if rejected else ""
-            raise TransferNotFound(f"transfer for request_id {request_id!r} is gone{reason}")
-        return transfer
+                transfer = self._transfers.get(request_id)
+                rejected = self._rejected.get(request_id)
+                if transfer is None and rejected is not None and hmac.compare_digest(rejected[0], token):
+                    raise TransferNotFound(f"the prefill of request_id {request_id!r} was refused: {rejected[1]}")
+                if transfer is None and was_woken and rejected is None:
+                    raise TransferNotFound(f"transfer for request_id {request_id!r} is gone")
+                if transfer is None:
+                    self._registration_waiters.setdefault(request_id, []).append((asyncio.get_running_loop(), event))
+            if transfer is not None:
+                return transfer
+            try:
+                await asyncio.wait_for(event.wait(), max(0.0, deadline - time.monotonic()))
+                was_woken = True  # registered (and maybe gone already), or refused with some token
+            except TimeoutError:
+                raise TransferNotFound(f"no transfer registered for request_id {request_id!r}") from None
+            finally:
+                with self._lock:
+                    waiters = self._registration_waiters.get(request_id, [])
+                    waiters[:] = [w for w in waiters if w[1] is not event]
+                    if not waiters:
+                        self._registration_waiters.pop(request_id, None)
 
     def start_pull(self, transfer: StagedTransfer, token: bytes) -> asyncio.Event:
         """Claim the transfer for one pull; returns the event set whenever it changes."""
@@ -303,7 +312,7 @@ class TransferRegistry:
         """Fail transfers whose lease ran out; returns their request ids."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            self._rejected = {k: v for k, v in self._rejected.items() if v[1] >= now}
+            self._rejected = {k: v for k, v in self._rejected.items() if v[2] >= now}
             expired = [t.request_id for t in self._transfers.values() if t.lease_deadline < now and not t.is_released]
         for request_id in expired:
             self.fail(request_id, "lease expired before the decode side pulled the KV")
