@@ -21,6 +21,10 @@ SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded: the message names the path or field."""
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The shape of a Llama-family decoder; `from_hf_config` reads config.json."""

@@ -20,8 +20,7 @@ import gguf
 import numpy as np
 import torch
 
-from kvservice.config import ModelConfig
-from kvservice.model_loader import ModelLoadError
+from kvservice.config import ModelConfig, ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 ROPE_FREQS = "rope_freqs.weight"  # consumed by the config, not a weight

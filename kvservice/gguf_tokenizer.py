@@ -21,8 +21,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from kvservice.config import ModelLoadError
 from kvservice.gguf_loader import GGUFFile
-from kvservice.model_loader import ModelLoadError
 from kvservice.tokenizer import HFTokenizer, TokenizerConfig
 
 SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")

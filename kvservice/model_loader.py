@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvservice.config import ModelConfig
+from kvservice.config import ModelConfig, ModelLoadError
 from kvservice.model import CausalLM, RotaryEmbedding, fuse_checkpoint_weights
 from kvservice.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -49,10 +49,6 @@ SMOLLM2_VERSION = "0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(ValueError):
-    """A model that cannot be loaded: the message names the path or field."""
 
 
 @dataclass(slots=True)

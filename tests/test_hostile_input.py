@@ -17,10 +17,11 @@ import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
+from conftest import local_cluster
 
+from kvservice.client.cluster import LocalCluster
 from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
 from kvservice.server.grpc_server import MAX_RECEIVE_MESSAGE_BYTES
-from kvservice.server.launcher import LocalCluster
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
@@ -37,7 +38,7 @@ Hostile = Callable[[], Awaitable[object]]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster() -> AsyncIterator[LocalCluster]:
-    async with LocalCluster("tiny", worker_args=WORKER_ARGS, proxy_args=["--http-port", "0"], grace_period=2) as c:
+    async with local_cluster("tiny", worker_args=WORKER_ARGS, proxy_args=["--http-port", "0"], grace_period=2) as c:
         yield c
 
 
