@@ -111,8 +111,7 @@ def load_model(model: str, dtype: str = "auto", device: str = "cpu", max_positio
         tokenizer, name = gguf_tokenizer(file), gguf_model_name(file)
     else:
         net = _build_model(_read_safetensors(path), config, positions, path)
-        tokenizer_file = path / "tokenizer.json"
-        tokenizer = HFTokenizer(tokenizer_file) if tokenizer_file.is_file() else None
+        tokenizer = _hf_tokenizer(path)
         name = path.name
     net = net.to(device=dev, dtype=torch_dtype).eval()
     # The rope tables stay float32 whatever the weights' dtype; they are cast per step.
@@ -148,6 +147,17 @@ def smollm2_path() -> pathlib.Path:
     if path is None or not path.is_file():
         raise ModelLoadError(f"model 'smollm2': {SMOLLM2_FILE} missing from {SMOLLM2_DISTRIBUTION}; {hint}")
     return path
+
+
+def _hf_tokenizer(path: pathlib.Path) -> HFTokenizer | None:
+    """The directory's tokenizer.json with its tokenizer_config.json, or None without one."""
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return None
+    try:
+        return HFTokenizer(tokenizer_file)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"model {str(path)!r}: bad tokenizer_config.json ({e})") from e
 
 
 def _read_json(model: str, file: pathlib.Path) -> dict[str, Any]:

@@ -249,3 +249,20 @@ def sentencepiece_vocab(vocab_size: int = 400) -> tuple[list[str], list[int], li
     types.append(4)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     return tokens, types, merges
+
+
+def byte_level_vocab(tmp_path: pathlib.Path) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) of a small byte-level BPE (`save_tokenizer`'s), plus two control tokens."""
+    import json
+
+    from hf_models import save_tokenizer
+
+    # Written where no GGUF goes: transformers would load a tokenizer.json beside the GGUF instead.
+    (tmp_path / "bpe").mkdir()
+    model = json.loads(save_tokenizer(tmp_path / "bpe" / "tokenizer.json").read_text())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    types = [3 if t in ("<unk>", "<s>", "</s>") else 1 for t in tokens]
+    tokens += ["<|im_start|>", "<|im_end|>"]
+    types += [3, 3]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, types, merges

@@ -20,6 +20,7 @@ from gguf_models import (
     RAW_BLOCK_TYPES,
     GGUFSpec,
     GGUFTokenizerSpec,
+    byte_level_vocab,
     permute_qk,
     random_state,
     sentencepiece_vocab,
@@ -381,6 +382,36 @@ def test_sentencepiece_tokenizer_matches_transformers(
             assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
     # Byte fallback really happened: Ω is not a piece of the vocabulary.
     assert any(ours.backend.id_to_token(i).startswith("<0x") for i in ours.encode("Ω"))
+
+
+# ------------------------------------------------------------ byte-level (`gpt2`) tokenizer, other splits
+
+
+@pytest.mark.parametrize("pre", ["default", "llama-bpe", "qwen2", "smollm"])
+def test_byte_level_tokenizer_splits_as_transformers_does(tmp_path: pathlib.Path, pre: str) -> None:
+    # `tokenizer.ggml.pre` names the regex that cut text into words before BPE (digits one
+    # at a time or three, contractions, case): the vocabulary was learned on that split.
+    from transformers import AutoTokenizer
+
+    tokens, types, merges = byte_level_vocab(tmp_path)
+    spec = GGUFSpec(arch="llama", hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2)
+    tok_spec = GGUFTokenizerSpec(
+        model="gpt2", tokens=tokens, token_types=types, merges=merges, bos_token_id=1, eos_token_id=len(tokens) - 1,
+        add_bos_token=True, pre=pre,
+    )
+    path = write_gguf(tmp_path / f"{pre}.gguf", spec, random_state(spec, len(tokens)), tokenizer=tok_spec)
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    ours = gguf_tokenizer(open_gguf(path))
+    assert ours is not None and ours.eos_token == "<|im_end|>"
+    # Not "<|endoftext|>": absent from this vocabulary, transformers adds it as a new id past
+    # the model's embedding (GPT2Tokenizer's default special token), which no model can take.
+    corpus = [t for t in CORPUS if "<|endoftext|>" not in t]
+    for text in [*corpus, "DIGITS 1234567 AND SHOUTING'S", "it'S\r\n\r\n  x"]:
+        ids = ref(text)["input_ids"]
+        assert ours.encode(text) == ids, text
+        assert ids[0] == 1  # add_bos_token: the file asks for BOS
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
 
 
 # ------------------------------------------------------------ errors

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -149,3 +150,10 @@ def test_bad_generation_config_is_named(tmp_path: pathlib.Path, llama_dir: pathl
     shutil.copytree(llama_dir, model_dir)
     (model_dir / "generation_config.json").write_text("{")
     assert_load_error(model_dir, "bad generation_config.json")
+
+
+def test_bad_tokenizer_config_is_named(tmp_path: pathlib.Path, hf_model_dir: Callable[[str], pathlib.Path]) -> None:
+    model_dir = tmp_path / "model"
+    shutil.copytree(hf_model_dir("llama_tokenizer"), model_dir)
+    (model_dir / "tokenizer_config.json").write_text('{"chat_template": ')
+    assert_load_error(model_dir, "bad tokenizer_config.json")
