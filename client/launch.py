@@ -37,7 +37,7 @@ async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:
         # Through the environment, not argv (which `ps` shows): the proxy reads it from there.
         os.environ[AUTH_TOKEN_ENV] = args.auth_token
     if args.http_port is not None:
-        proxy_args += ["--http-port", str(args.http_port), "--served-model-name", args.model]
+        proxy_args += ["--http-port", str(args.http_port), "--model", args.model]
     if args.metrics_port is not None:
         proxy_args += ["--metrics-port", str(args.metrics_port)]
         worker_args = [*worker_args, "--metrics-port", "0"]

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 from kvservice.llm import LLM
 from kvservice.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+try:
+    __version__ = importlib.metadata.version("kvservice")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = ["LLM", "SamplingParams", "__version__"]

@@ -98,25 +98,45 @@ def load_model(model: str, dtype: str = "auto", device: str = "cpu", max_positio
     torch_dtype = resolve_dtype(dtype, config)
     dev = torch.device(device)
     positions = max_positions or config.max_position_embeddings
-    tokenizer: Tokenizer | None
     if model == TINY_MODEL:
         net = _tiny_model(config, positions)
-        tokenizer, name = ByteTokenizer(), TINY_MODEL
     elif (path := model_path(model)).is_file():
-        from kvservice.gguf_loader import gguf_model_name, gguf_state_dict, open_gguf
-        from kvservice.gguf_tokenizer import gguf_tokenizer
+        from kvservice.gguf_loader import gguf_state_dict, open_gguf
 
-        file = open_gguf(path)
-        net = _build_model(gguf_state_dict(file, config, torch_dtype), config, positions, path)
-        tokenizer, name = gguf_tokenizer(file), gguf_model_name(file)
+        net = _build_model(gguf_state_dict(open_gguf(path), config, torch_dtype), config, positions, path)
     else:
         net = _build_model(_read_safetensors(path), config, positions, path)
-        tokenizer = _hf_tokenizer(path)
-        name = path.name
+    tokenizer, name = load_tokenizer(model), model_name(model)
     net = net.to(device=dev, dtype=torch_dtype).eval()
     # The rope tables stay float32 whatever the weights' dtype; they are cast per step.
     net.rotary.to(dtype=torch.float32)
     return LoadedModel(config, net, tokenizer, torch_dtype, dev, name)
+
+
+def load_tokenizer(model: str) -> Tokenizer | None:
+    """The tokenizer alone (no weights): a model directory's (None without tokenizer.json),
+    a GGUF file's from its metadata, the byte-level one of `tiny`."""
+    if model == TINY_MODEL:
+        return ByteTokenizer()
+    path = model_path(model)
+    if path.is_file():
+        from kvservice.gguf_loader import open_gguf
+        from kvservice.gguf_tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(open_gguf(path))
+    return _hf_tokenizer(path)
+
+
+def model_name(model: str) -> str:
+    """The name a server answers to by default: a GGUF file's `general.name`, a directory's name, a preset's name."""
+    if model == TINY_MODEL:
+        return TINY_MODEL
+    path = model_path(model)
+    if path.is_file():
+        from kvservice.gguf_loader import gguf_model_name, open_gguf
+
+        return gguf_model_name(open_gguf(path))
+    return path.name
 
 
 def model_path(model: str) -> pathlib.Path:

@@ -1,22 +1,27 @@
-"""An OpenAI-compatible HTTP front on the proxy: `/v1/completions`, `/v1/models`, `/health`.
+"""An OpenAI-compatible HTTP front: `/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+`/tokenize`, `/detokenize`, `/version`, `/health`.
 
-It runs in the proxy's event loop and sends every request down the same routing path
-as the gRPC `Generate` (`ProxyService.generate`). What is supported of the OpenAI
-completions API:
+It runs in the event loop of the server that hosts it (the proxy, or a colocated worker
+with `--http-port`) and sends every request down the same path as the gRPC `Generate`
+(its `StreamingGenerationService.responses`). What is supported:
 
-- `prompt`: a string or a list of token ids (one prompt per request; a list holding
-  exactly one prompt is accepted too);
-- `max_tokens` (default 16), `temperature`, `top_p`, `seed`, `stream`,
-  `stream_options.include_usage`; `stop` as a string or a list of strings (or, as
-  an extension, token ids: an int or a list of ints); vLLM's extensions `top_k`,
-  `ignore_eos` and `stop_token_ids`;
-- not supported (HTTP 400): `n` > 1, `best_of` > 1, `echo`, `logprobs`, `suffix`.
+- completions: `prompt` as a string or a list of token ids (one prompt per request);
+  chat completions: `messages` (system, user, assistant; string content or a list of text
+  parts), rendered by the worker with the model's own chat template;
+- `max_tokens` (completions default 16; chat: `max_tokens` or `max_completion_tokens`,
+  default up to the end of the turn), `temperature`, `top_p`, `seed`, `stream`,
+  `stream_options.include_usage`, `stop` (strings, or token ids as an extension), and
+  vLLM's `top_k`, `ignore_eos`, `stop_token_ids`;
+- refused with 400, naming the field: `n` > 1, `best_of` > 1, `echo`, `logprobs`,
+  `suffix`, tools, a `response_format` other than text, and any field the front does not
+  know (a penalty or a logit bias is not silently ignored).
 
-Every choice also carries `token_ids`, the generated ids. A client-chosen request id
-travels in the `X-Request-Id` header; the response echoes it and the completion id is
-`cmpl-<request id>`. Errors are OpenAI-style JSON (`{"error": {"message", "type",
-"param", "code"}}`) with the HTTP status that fits the gRPC status code; an error
-after a stream has started arrives as one `data: {"error": ...}` event.
+Streams send one event per engine step (a token, or the accepted tokens of a
+speculative step); a chat stream's first event carries the role, then content deltas,
+then the finish reason. Completion choices also carry `token_ids`. A client-chosen
+request id travels in the `X-Request-Id` header; the response echoes it. Errors are
+OpenAI-style JSON with the HTTP status that fits the gRPC status code; an error after a
+stream has started arrives as one `data: {"error": ...}` event.
 """
 
 from __future__ import annotations
@@ -28,29 +33,47 @@ from typing import Any
 
 from aiohttp import web
 
+import kvservice
 from kvservice.finish_reason import finish_reason_from_proto
 from kvservice.request import check_request_id
 from kvservice.server.auth import BearerToken
-from kvservice.server.generation import merge_into_complete, new_request_id
-from kvservice.server.openai_protocol import OpenAIError, error_body, parse_completion_request, usage
-from kvservice.server.proxy import ProxyService
+from kvservice.server.generation import StreamingGenerationService, merge_into_complete, new_request_id
+from kvservice.server.openai_protocol import (
+    OpenAIError,
+    ParsedRequest,
+    error_body,
+    parse_chat_request,
+    parse_completion_request,
+    usage,
+)
+from kvservice.tokenizer import Tokenizer
 from kvservice.v1 import kvservice_pb2 as pb
 
 REQUEST_ID_HEADER = "X-Request-Id"
-# A body is parsed on the proxy's event loop: bound it (a prompt of a model's full length
+# A body is parsed on the server's event loop: bound it (a prompt of a model's full length
 # as token ids is well under this).
 MAX_BODY_BYTES = 4 << 20
+MAX_TOKENIZE_CHARS = 1 << 20
+
 
 class OpenAIFront:
     """The HTTP routes; `app()` builds the aiohttp application (serve it with `metrics.start_http`)."""
 
     def __init__(
-        self, service: ProxyService, model_name: str, is_serving: Callable[[], bool], auth_token: str | None = None
+        self,
+        service: StreamingGenerationService,
+        model_name: str,
+        is_serving: Callable[[], bool],
+        auth_token: str | None = None,
+        tokenizer: Tokenizer | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.service = service
         self.model_name = model_name
         self.is_serving = is_serving
-        self.auth_token = BearerToken(auth_token) if auth_token else None  # the proxy's --auth-token guards this API too
+        self.auth_token = BearerToken(auth_token) if auth_token else None  # --auth-token guards this API too
+        self.tokenizer = tokenizer  # for /tokenize and /detokenize
+        self.max_model_len = max_model_len
         self.created = int(time.time())
 
     def _is_authorized(self, request: web.Request) -> bool:
@@ -59,23 +82,77 @@ class OpenAIFront:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
         if self.is_serving():
             return web.json_response({"status": "ok"})
-        return web.json_response({"status": "unavailable", "detail": "no healthy decode worker"}, status=503)
+        return web.json_response({"status": "unavailable", "detail": "not serving"}, status=503)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": kvservice.__version__})
 
     async def models(self, request: web.Request) -> web.Response:
         if not self._is_authorized(request):
             return _unauthorized()
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvservice"}
-        ]})
+        model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvservice",
+                 "root": self.model_name, "max_model_len": self.max_model_len}
+        return web.json_response({"object": "list", "data": [model]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_completion_request, is_chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_chat_request, is_chat=True)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        def run(body: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
+            text = body.get("prompt")
+            if not isinstance(text, str) or len(text) > MAX_TOKENIZE_CHARS:
+                raise ValueError(f"prompt: expected a string of at most {MAX_TOKENIZE_CHARS} characters")
+            add_special_tokens = body.get("add_special_tokens", True)
+            if not isinstance(add_special_tokens, bool):
+                raise ValueError("add_special_tokens: expected a boolean")
+            tokens = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
+
+        return await self._tokenizer_route(request, run)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        def run(body: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+                raise ValueError("tokens: expected a list of token ids")
+            return {"prompt": tokenizer.decode(tokens)}
+
+        return await self._tokenizer_route(request, run)
+
+    # ------------------------------------------------------------ internals
+
+    async def _tokenizer_route(
+        self, request: web.Request, run: Callable[[dict[str, Any], Tokenizer], dict[str, Any]]
+    ) -> web.Response:
+        if not self._is_authorized(request):
+            return _unauthorized()
+        try:
+            if self.tokenizer is None:
+                raise OpenAIError(501, "this server has no tokenizer (start the proxy with --model)")
+            body = await _json_body(request)
+            if not isinstance(body, dict):
+                raise ValueError("request body: expected a JSON object")
+            return web.json_response(run(body, self.tokenizer))
+        except Exception as e:
+            return error_response(e, {})
+
+    async def _serve(
+        self, request: web.Request, parse: Callable[[Any, str, str], ParsedRequest], is_chat: bool
+    ) -> web.StreamResponse:
         if not self._is_authorized(request):
             return _unauthorized()
         request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
@@ -85,16 +162,11 @@ class OpenAIFront:
             return error_response(e, {})
         headers = {REQUEST_ID_HEADER: request_id}
         try:
-            try:
-                body = await request.json()
-            except json.JSONDecodeError as e:
-                raise ValueError(f"request body: not JSON ({e})") from None
-            except web.HTTPRequestEntityTooLarge:
-                raise OpenAIError(413, f"request body: larger than {MAX_BODY_BYTES} bytes") from None
-            parsed = parse_completion_request(body, request_id, self.model_name)
+            parsed = parse(await _json_body(request), request_id, self.model_name)
         except Exception as e:
             return error_response(e, headers)
-        meta = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()), "model": self.model_name}
+        kind = _ChatShape() if is_chat else _CompletionShape()
+        meta = {"id": f"{kind.id_prefix}{request_id}", "created": int(time.time()), "model": self.model_name}
         responses = self.service.responses(parsed.generate_request)
         try:
             # Everything up to the first chunk (validation, routing, the prefill) fails
@@ -104,11 +176,12 @@ class OpenAIFront:
             await responses.aclose()
             return error_response(e, headers)
         if parsed.stream:
-            return await self._stream(request, headers, meta, first, responses, parsed.include_usage)
-        return await self._complete(headers, meta, first, responses)
+            return await self._stream(request, headers, meta, kind, first, responses, parsed.include_usage)
+        return await self._complete(headers, meta, kind, first, responses)
 
     async def _complete(
-        self, headers: dict[str, str], meta: dict[str, Any], first: pb.GenerateResponse | None, responses: AsyncIterator[pb.GenerateResponse]
+        self, headers: dict[str, str], meta: dict[str, Any], kind: _Shape, first: pb.GenerateResponse | None,
+        responses: AsyncIterator[pb.GenerateResponse],
     ) -> web.Response:
         result = pb.CompleteResponse()
         try:
@@ -120,23 +193,25 @@ class OpenAIFront:
             return error_response(e, headers)
         finally:
             await responses.aclose()
-        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason_from_proto(result.finish_reason),
-                  "token_ids": list(result.token_ids)}
-        return web.json_response({**meta, "choices": [choice], "usage": usage(result)}, headers=headers)
+        choice = kind.whole_choice(result.text, list(result.token_ids), finish_reason_from_proto(result.finish_reason))
+        body = {**meta, "object": kind.object_name, "choices": [choice], "usage": usage(result)}
+        return web.json_response(body, headers=headers)
 
     async def _stream(
-        self, request: web.Request, headers: dict[str, str], meta: dict[str, Any], first: pb.GenerateResponse | None,
-        responses: AsyncIterator[pb.GenerateResponse], include_usage: bool,
+        self, request: web.Request, headers: dict[str, str], meta: dict[str, Any], kind: _Shape,
+        first: pb.GenerateResponse | None, responses: AsyncIterator[pb.GenerateResponse], include_usage: bool,
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        meta = {**meta, "object": kind.chunk_object_name}
         totals = pb.CompleteResponse()
         try:
+            for opening in kind.opening_choices():
+                await _send_event(response, {**meta, "choices": [opening]})
             chunk = first
-            while chunk is not None:
+            while chunk is not None:  # one event per engine step
                 merge_into_complete(totals, chunk)
-                choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": finish_reason_from_proto(chunk.finish_reason),
-                          "token_ids": list(chunk.token_ids)}
+                choice = kind.delta_choice(chunk.text, list(chunk.token_ids), finish_reason_from_proto(chunk.finish_reason))
                 await _send_event(response, {**meta, "choices": [choice]})
                 chunk = await anext(responses, None)
             if include_usage:
@@ -152,7 +227,57 @@ class OpenAIFront:
         return response
 
 
+class _Shape:
+    """How one endpoint's response objects look; the two below differ only here."""
+
+    id_prefix = ""
+    object_name = ""
+    chunk_object_name = ""
+
+    def opening_choices(self) -> list[dict[str, Any]]:
+        return []
+
+    def whole_choice(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def delta_choice(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _CompletionShape(_Shape):
+    id_prefix, object_name, chunk_object_name = "cmpl-", "text_completion", "text_completion"
+
+    def whole_choice(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
+
+    delta_choice = whole_choice
+
+
+class _ChatShape(_Shape):
+    id_prefix, object_name, chunk_object_name = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+
+    def opening_choices(self) -> list[dict[str, Any]]:
+        return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+
+    def whole_choice(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
+
+    def delta_choice(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict[str, Any]:
+        delta = {"content": text} if text else {}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
+
+
 # ---------------------------------------------------------------- helpers
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except json.JSONDecodeError as e:
+        raise ValueError(f"request body: not JSON ({e})") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise OpenAIError(413, f"request body: larger than {MAX_BODY_BYTES} bytes") from None
 
 
 def _unauthorized() -> web.Response:

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible API as data: request bodies parsed into the proxy's protobuf
-requests, usage and error bodies built, HTTP statuses chosen. Pure: no aiohttp, no I/O,
+"""The OpenAI-compatible API as data: request bodies (completions and chat completions)
+parsed into the generation service's protobuf requests, response bodies, usage and
+error bodies built, HTTP statuses chosen. Pure: no aiohttp, no I/O,
 so every rule here is tested without a server (the routes live in `openai_front`)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from kvservice.chat_template import validate_conversation
 from kvservice.sampling_params import MAX_STOP_TOKEN_IDS
 from kvservice.server.errors import message_for, status_for
 from kvservice.v1 import kvservice_pb2 as pb
@@ -44,19 +46,32 @@ class OpenAIError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class CompletionRequest:
+class ParsedRequest:
+    """A `/v1/completions` or `/v1/chat/completions` body, ready for the generation service."""
+
     generate_request: pb.GenerateRequest
     stream: bool
     include_usage: bool
 
 
-def parse_completion_request(body: Any, request_id: str, model_name: str) -> CompletionRequest:
-    """A `/v1/completions` body as the proxy's `GenerateRequest`; ValueError or OpenAIError names the field."""
-    if not isinstance(body, dict):
-        raise ValueError("request body: expected a JSON object")
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise OpenAIError(404, f"The model `{model}` does not exist (this server serves `{model_name}`)", "model", "model_not_found")
+# The fields each endpoint understands. Anything else is refused with a 400 that names it:
+# a parameter silently ignored (a penalty, a logit bias) would give the caller output it
+# did not ask for.
+_SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                    "ignore_eos", "stream", "stream_options", "n", "user"}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "best_of", "echo", "suffix", "logprobs"}
+CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice", "response_format",
+                                  "logprobs", "add_generation_prompt"}
+# Accepted when they ask for nothing (the neutral value some clients always send).
+_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},), "parallel_tool_calls": (False, True),
+}
+
+
+def parse_completion_request(body: Any, request_id: str, model_name: str) -> ParsedRequest:
+    """A `/v1/completions` body as a `GenerateRequest`; ValueError or OpenAIError names the field."""
+    body = _checked_body(body, COMPLETION_FIELDS, model_name)
     for name, allowed in (("n", 1), ("best_of", 1)):
         if body.get(name) not in (None, allowed):
             raise ValueError(f"{name}: only {allowed} is supported")
@@ -69,8 +84,52 @@ def parse_completion_request(body: Any, request_id: str, model_name: str) -> Com
         generate_request.text = prompt
     else:
         generate_request.token_ids.ids.extend(prompt)
-    sp = generate_request.sampling_params
-    sp.max_tokens = _optional(body, "max_tokens", int, DEFAULT_MAX_TOKENS)
+    _sampling_params(body, generate_request.sampling_params, _optional(body, "max_tokens", int, DEFAULT_MAX_TOKENS))
+    return _parsed(body, generate_request)
+
+
+def parse_chat_request(body: Any, request_id: str, model_name: str) -> ParsedRequest:
+    """A `/v1/chat/completions` body as a `GenerateRequest` with a chat prompt (rendered by
+    the worker with the model's template); ValueError or OpenAIError names the field."""
+    body = _checked_body(body, CHAT_FIELDS, model_name)
+    if body.get("n") not in (None, 1):
+        raise ValueError("n: only 1 is supported")
+    if body.get("tools"):
+        raise ValueError("tools: tool calling is not supported")
+    if body.get("tool_choice") not in (None, "none"):
+        raise ValueError("tool_choice: tool calling is not supported")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise ValueError("response_format: only {\"type\": \"text\"} is supported")
+    if body.get("logprobs") not in (None, False):
+        raise ValueError("logprobs: not supported")
+    generate_request = pb.GenerateRequest(request_id=request_id)
+    for message in validate_conversation(body.get("messages")):
+        generate_request.chat.messages.add(role=message["role"], content=message.get("content", ""))
+    if not _optional(body, "add_generation_prompt", bool, True):
+        generate_request.chat.add_generation_prompt = False
+    max_tokens = body.get("max_completion_tokens")
+    name = "max_completion_tokens" if max_tokens is not None else "max_tokens"
+    # A chat answer ends at the end of the turn: without a limit it may run to the model's length.
+    _sampling_params(body, generate_request.sampling_params, _optional(body, name, int, None))
+    return _parsed(body, generate_request)
+
+
+def _checked_body(body: Any, fields: set[str], model_name: str) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ValueError("request body: expected a JSON object")
+    unknown = sorted(k for k in body if k not in fields and not (k in _NEUTRAL_VALUES and body[k] in _NEUTRAL_VALUES[k]))
+    if unknown:
+        raise OpenAIError(400, f"unsupported field(s): {', '.join(unknown)}", unknown[0], "unsupported_field")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise OpenAIError(404, f"The model `{model}` does not exist (this server serves `{model_name}`)", "model", "model_not_found")
+    return body
+
+
+def _sampling_params(body: dict[str, Any], sp: pb.SamplingParams, max_tokens: int | None) -> None:
+    if max_tokens is not None:
+        sp.max_tokens = max_tokens
     for name in ("temperature", "top_p"):
         if body.get(name) is not None:
             setattr(sp, name, _optional(body, name, float, 0.0))
@@ -84,11 +143,14 @@ def parse_completion_request(body: Any, request_id: str, model_name: str) -> Com
     else:
         sp.stop_token_ids.extend(_stop_token_ids(stop, "stop"))
     sp.stop_token_ids.extend(_stop_token_ids(body.get("stop_token_ids"), "stop_token_ids"))
+
+
+def _parsed(body: dict[str, Any], generate_request: pb.GenerateRequest) -> ParsedRequest:
     stream = _optional(body, "stream", bool, False)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ValueError("stream_options: expected an object")
-    return CompletionRequest(generate_request, stream, bool(options.get("include_usage", False)))
+    return ParsedRequest(generate_request, stream, bool(options.get("include_usage", False)))
 
 
 def _prompt(value: Any) -> str | list[int]:

@@ -12,6 +12,7 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2
 
 from kvservice.event_loop import run_event_loop
+from kvservice.model_loader import load_model_config, load_tokenizer, model_name
 from kvservice.server.auth import BearerTokenInterceptor
 from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, configure_logging
 from kvservice.server.metrics import (
@@ -24,6 +25,7 @@ from kvservice.server.openai_front import OpenAIFront
 from kvservice.server.proxy import DEFAULT_REQUEST_TIMEOUT_S, ProxyService
 from kvservice.server.worker_pool import WorkerPool
 from kvservice.tls import TLSFiles, add_tls_arguments
+from kvservice.tokenizer import Tokenizer
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -38,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between worker health checks (default: 1)")
     parser.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default: 30)")
     parser.add_argument("--http-port", type=int, default=None, help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/models, /health) on this port; 0 lets the OS pick (default: off)")
-    parser.add_argument("--served-model-name", default="kvservice", help="the model name the HTTP API answers to (default: kvservice)")
+    parser.add_argument("--served-model-name", default=None, help="the model name the HTTP API answers to (default: --model's own name, else 'kvservice')")
+    parser.add_argument("--model", default=None, help="the workers' model (tiny, smollm2, a directory or a GGUF file): the proxy loads its tokenizer only, for /tokenize and /detokenize, and its name and length for /v1/models (default: none)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="the maximum length /v1/models reports (default: the model's)")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 lets the OS pick (default: off)")
     parser.add_argument(
         "--retry-decode", action="store_true",
@@ -66,7 +70,17 @@ def main(args: argparse.Namespace) -> int:
     return run_event_loop(serve(args))
 
 
+def _model_facts(args: argparse.Namespace) -> tuple[str, Tokenizer | None, int | None]:
+    """(served name, tokenizer, max model length) from --model, with the flags' overrides."""
+    if args.model is None:
+        return args.served_model_name or "kvservice", None, args.max_model_len
+    name = args.served_model_name or model_name(args.model)
+    max_model_len = args.max_model_len or load_model_config(args.model).max_position_embeddings
+    return name, load_tokenizer(args.model), max_model_len
+
+
 async def serve(args: argparse.Namespace) -> int:
+    served_name, tokenizer, max_model_len = await asyncio.to_thread(_model_facts, args)
     # The proxy presents the same certificate to its workers as to its clients.
     tls = TLSFiles.from_args(args)
     channel_credentials = tls.channel_credentials()
@@ -88,7 +102,9 @@ async def serve(args: argparse.Namespace) -> int:
     runners: list[web.AppRunner] = []
     try:
         if args.http_port is not None:
-            front = OpenAIFront(service, args.served_model_name, lambda: decode.num_healthy > 0, args.auth_token)
+            front = OpenAIFront(
+                service, served_name, lambda: decode.num_healthy > 0, args.auth_token, tokenizer, max_model_len
+            )
             app = front.app()
             app.router.add_get("/metrics", metrics_handler(metrics, None))
             runner, http_port = await start_http(

@@ -33,6 +33,7 @@ from kvservice.server.colocated_service import ColocatedGenerationService
 from kvservice.server.decode_service import DecodeWorkerService
 from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, configure_logging
 from kvservice.server.metrics import ServerMetrics, metrics_app, start_http
+from kvservice.server.openai_front import OpenAIFront
 from kvservice.server.prefill_service import PrefillWorkerService
 from kvservice.server.stats import engine_stats, transfer_counters_to_proto
 from kvservice.tls import TLSFiles, add_tls_arguments
@@ -82,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", required=True, choices=ROLES, help="prefill, decode, or both (colocated, no KV transfer)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 lets the OS pick (default: 0)")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 lets the OS pick (default: off)")
+    parser.add_argument("--http-port", type=int, default=None, help="--role both: serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...) on this port; 0 lets the OS pick (default: off)")
+    parser.add_argument("--served-model-name", default=None, help="the model name the HTTP API answers to (default: the model's own: a GGUF file's general.name, a directory's name)")
     add_engine_arguments(parser)
     add_tls_arguments(parser)
 
@@ -114,6 +117,8 @@ def main(args: argparse.Namespace) -> int:
         layout = KVCacheLayout.for_model(model_config, config.block_size, resolve_dtype(config.dtype, model_config))
         if args.max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
+        if args.http_port is not None and args.role != "both":
+            raise ValueError("--http-port: only a colocated worker (--role both) serves the HTTP API; for a prefill/decode pair, give it to the proxy")
         tls = TLSFiles.from_args(args)
         tls.server_credentials()  # unreadable files fail here, before the model loads
     except (ModelLoadError, ValueError) as e:
@@ -145,11 +150,13 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
     metrics = ServerMetrics(args.role)
     transfer_service: KVTransferService | None = None
     credentials = tls.server_credentials()
+    generation: ColocatedGenerationService | None = None
     if args.role == "both":
         # Only a colocated worker serves the client API, so only it checks the bearer token.
         interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
         server = GrpcServer([SERVICE_NAMES["generation"]], credentials, interceptors)
-        pb_grpc.add_GenerationServicer_to_server(ColocatedGenerationService(async_engine, metrics=metrics), server.server)
+        generation = ColocatedGenerationService(async_engine, metrics=metrics)
+        pb_grpc.add_GenerationServicer_to_server(generation, server.server)
     elif args.role == "decode":
         server = GrpcServer([SERVICE_NAMES["worker"]], credentials)
         pb_grpc.add_WorkerServicer_to_server(DecodeWorkerService(async_engine, metrics=metrics), server.server)
@@ -163,7 +170,17 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
     await server.set_serving(True)
     ready_line = f"kvservice serve: role={args.role} listening on {args.host}:{port}"
 
-    metrics_runner = None
+    runners = []
+    if generation is not None and args.http_port is not None:
+        front = OpenAIFront(
+            generation, args.served_model_name or engine.loaded.name, lambda: async_engine.is_alive, args.auth_token,
+            engine.tokenizer, engine.max_model_len,
+        )
+        runner, http_port = await start_http(
+            front.app(), args.host, args.http_port, shutdown_timeout=args.grace_period, ssl_context=tls.ssl_context()
+        )
+        runners.append(runner)
+        ready_line += f"; http on {args.host}:{http_port}"
     if args.metrics_port is not None:
 
         async def snapshot() -> pb.StatsResponse:
@@ -173,6 +190,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
             return stats
 
         metrics_runner, metrics_port = await start_http(metrics_app(metrics, snapshot), args.host, args.metrics_port)
+        runners.append(metrics_runner)
         ready_line += f"; metrics on {args.host}:{metrics_port}"
 
     reaper = asyncio.create_task(_expire_leases(registry)) if registry is not None else None
@@ -187,8 +205,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
-        if metrics_runner is not None:
-            await metrics_runner.cleanup()
+        for runner in runners:
+            await runner.cleanup()
         await async_engine.stop()
         if connector is not None:
             connector.shutdown()
