@@ -187,23 +187,27 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
 def _add_special_tokens(
     backend: BackendTokenizer, tokens: list[str], token_types: list[int], named: list[str], *, byte_level: bool
 ) -> None:
-    """CONTROL tokens (and the named BOS/EOS/UNK/PAD) as special added tokens, USER_DEFINED ones as plain ones."""
+    """CONTROL tokens (and the named BOS/EOS/UNK/PAD) as special added tokens, USER_DEFINED ones as plain ones.
+
+    Only tokens of the vocabulary: adding any other would give it a new id past the model's
+    embedding (transformers does that for a missing GPT-2 default such as `<|endoftext|>`).
+    """
     alphabet = set(_byte_chars().values())
-    special = [
-        t for t, kind in zip(tokens, token_types)
-        # In a byte-level vocabulary a CONTROL token outside the byte alphabet is mislabelled: keep it out.
-        if kind == _CONTROL and (not byte_level or set(t) <= alphabet)
-    ]
-    special += [t for t in named if t not in special]
-    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
     vocab = backend.get_vocab()
+    # In a byte-level vocabulary a CONTROL token outside the byte alphabet is mislabelled: keep it out.
+    special = [
+        t for t, kind in zip(tokens, token_types) if kind == _CONTROL and (not byte_level or set(t) <= alphabet)
+    ]
+    special += [t for t in named if t not in special and t in vocab]
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
     user_defined = [t for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED and t in vocab]
     if user_defined:
         backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user_defined])
 
 
 def _template(backend: BackendTokenizer, bos: str | None, eos: str | None) -> processors.TemplateProcessing:
-    """`bos $A eos`, with whichever of BOS and EOS the model adds."""
+    """`bos $A eos`, with whichever of BOS and EOS the model adds (and has in its vocabulary)."""
+    bos, eos = (t if t is not None and backend.token_to_id(t) is not None else None for t in (bos, eos))
     pieces = [*([f"{bos}:0"] if bos else []), "$A:0", *([f"{eos}:0"] if eos else [])]
     special = [(t, backend.token_to_id(t)) for t in (bos, eos) if t is not None]
     return processors.TemplateProcessing(single=" ".join(pieces), special_tokens=special)
