@@ -97,7 +97,7 @@ def validate_conversation(conversation: object) -> list[dict[str, Any]]:
             raise ValueError(f"{field}: expected an object with role and content, got {type(message).__name__}")
         role = message.get("role")
         if not isinstance(role, str) or not 0 < len(role) <= MAX_ROLE_CHARS:
-            raise ValueError(f"{field}.role: expected a string of 1 to {MAX_ROLE_CHARS} characters, got {role!r}")
+            raise ValueError(f"{field}.role: expected a string of 1 to {MAX_ROLE_CHARS} characters, got {role!r:.80}")
         plain = {str(key): _plain(value, f"{field}.{key}") for key, value in message.items() if value is not None}
         if message.get("content") is not None:
             plain["content"] = _content_text(message["content"], f"{field}.content")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import pathlib
+import re
 import sys
 from collections.abc import AsyncIterator
 
@@ -166,3 +167,20 @@ async def test_python_dash_m_help() -> None:
     code, stdout, stderr = await run(sys.executable, "-m", "kvservice", "--help")
     assert code == 0, stderr
     assert "usage: kvservice" in stdout
+
+
+@pytest.mark.slow
+async def test_demo_launches_asks_reports_and_stops(tmp_path: pathlib.Path) -> None:
+    """`kvservice demo` end to end (on tiny: the same path as on SmolLM2, faster): every
+    question answered through /v1/chat/completions, the report printed, exit 0."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvservice", "demo", "--model", "tiny", "--max-tokens", "8", "--num-questions", "3",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(process.communicate(), 300)
+    text = out.decode()
+    assert process.returncode == 0, text
+    assert text.count("\nQ: ") + text.startswith("Q: ") == 3 and text.count("A: ") == 3
+    assert re.search(r"Successful requests:\s+3\b", text) and re.search(r"Failed requests:\s+0\b", text)
+    assert re.search(r"KV transfers:\s+3\b", text)  # every answer's prompt KV came from the prefill worker
+    assert "stopped every process" in text

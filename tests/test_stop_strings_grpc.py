@@ -65,13 +65,18 @@ def full() -> tuple[list[int], str]:
     return out.token_ids, out.text
 
 
+def is_idle(stats: pb.StatsResponse) -> bool:
+    return stats.num_blocks_free == stats.num_blocks_total and stats.kv_sending.staging_bytes_in_use == 0
+
+
 async def wait_until_all_blocks_free(addresses: list[str]) -> None:
-    """The stream ends a moment before the worker's step thread frees the blocks."""
+    """Every block free and no KV staged, on every worker. The stream ends a moment before
+    the worker's step thread frees the blocks: a readiness wait with a deadline."""
     deadline = time.monotonic() + IDLE_DEADLINE
     for address in addresses:
         async with KVServiceClient(address) as client:
-            while (stats := await client.stats()).num_blocks_free != stats.num_blocks_total:
-                assert time.monotonic() < deadline, f"{address}: blocks still in use: {stats}"
+            while not is_idle(stats := await client.stats()):
+                assert time.monotonic() < deadline, f"{address}: blocks or staging still in use: {stats}"
                 await asyncio.sleep(0.05)  # polling period of a readiness wait
 
 
