@@ -18,6 +18,7 @@ import pytest
 import pytest_asyncio
 from conftest import local_cluster
 
+from kvservice import LLM, SamplingParams
 from kvservice.cli import BENCHMARKS, COMMANDS, main
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -184,3 +185,33 @@ async def test_demo_launches_asks_reports_and_stops(tmp_path: pathlib.Path) -> N
     assert re.search(r"Successful requests:\s+3\b", text) and re.search(r"Failed requests:\s+0\b", text)
     assert re.search(r"KV transfers:\s+3\b", text)  # every answer's prompt KV came from the prefill worker
     assert "stopped every process" in text
+
+
+def tiny_chat(conversation: list[dict[str, str]], max_tokens: int) -> tuple[list[int], str]:
+    (out,) = LLM("tiny").chat(conversation, SamplingParams(temperature=0, max_tokens=max_tokens))
+    return list(out.token_ids), out.text
+
+
+async def test_generate_chat_is_one_turn_with_the_models_template(server: str) -> None:
+    code, stdout, stderr = await kvservice(
+        "generate", "--target", server, "--chat", "Hello there", "--system", "Be brief.", "--max-tokens", "6", "--json"
+    )
+    assert code == 0, stderr
+    expected, _ = tiny_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}], 6)
+    assert json.loads(stdout.strip().splitlines()[-1])["token_ids"] == expected
+    code, _, stderr = await kvservice("generate", "--target", server, "--system", "x", "--prompt-token-ids", "1")
+    assert code == 2 and "--system goes with --chat" in stderr
+
+
+async def test_chat_keeps_the_history_and_quits_at_end_of_input(server: str) -> None:
+    process = await asyncio.create_subprocess_exec(
+        KVSERVICE, "chat", "--target", server, "--max-tokens", "6",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(b"Hi\n\nAnd then?\n"), 120)
+    assert process.returncode == 0, stderr.decode()
+    _, first = tiny_chat([{"role": "user", "content": "Hi"}], 6)
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first}, {"role": "user", "content": "And then?"}]
+    _, second = tiny_chat(history, 6)
+    # Three prompts (the empty line is skipped, end of input quits), each answer after its prompt.
+    assert stdout.decode() == f"you> {first}\nyou> you> {second}\nyou> \n"
