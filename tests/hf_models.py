@@ -42,6 +42,26 @@ TOKENIZER_SENTENCES = [
     "Numbers 0123456789 and punctuation !?.,;:()[]{}",
 ]
 
+# Text a tokenizer gets wrong in many small ways: unicode, emoji, CJK, whitespace runs,
+# tabs and newlines, digits, special tokens written into the text.
+TOKENIZER_CORPUS = [
+    *TOKENIZER_SENTENCES,
+    "",
+    " ",
+    "Hello, world!",
+    "  leading spaces and trailing   ",
+    "tabs\tand\nnew\n\nlines\r\n",
+    "digits 1234567890 and 3.14159 and 1,000,000",
+    "naïve café, Ωmega ≈ √2, ß and Æ",
+    "东京和大阪 and 東京 と 大阪 and 서울",
+    "emoji 🙂🚀👩‍👩‍👧 and flags 🇫🇷",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "text<|endoftext|>more text",
+    "code:\n    def f(x):\n        return x ** 2  # square\n",
+    "It's, we're, they'll, I'd, you've",
+    "mixed\u00a0nbsp\u200bzero-width",
+]
+
 
 def _build(kind: str) -> torch.nn.Module:
     from transformers import (

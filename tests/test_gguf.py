@@ -27,7 +27,7 @@ from gguf_models import (
     spec_of,
     write_gguf,
 )
-from hf_models import TOKENIZER_SENTENCES, hf_greedy, random_prompts
+from hf_models import TOKENIZER_CORPUS, hf_greedy, random_prompts
 
 from kvservice import LLM, SamplingParams
 from kvservice.gguf_loader import open_gguf
@@ -37,25 +37,6 @@ from kvservice.model_loader import ModelLoadError, load_model, load_model_config
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
-# Text a tokenizer gets wrong in many small ways: unicode, emoji, CJK, whitespace runs,
-# tabs and newlines, digits, special tokens written into the text.
-CORPUS = [
-    *TOKENIZER_SENTENCES,
-    "",
-    " ",
-    "Hello, world!",
-    "  leading spaces and trailing   ",
-    "tabs\tand\nnew\n\nlines\r\n",
-    "digits 1234567890 and 3.14159 and 1,000,000",
-    "naïve café, Ωmega ≈ √2, ß and Æ",
-    "东京和大阪 and 東京 と 大阪 and 서울",
-    "emoji 🙂🚀👩‍👩‍👧 and flags 🇫🇷",
-    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
-    "text<|endoftext|>more text",
-    "code:\n    def f(x):\n        return x ** 2  # square\n",
-    "It's, we're, they'll, I'd, you've",
-    "mixed\u00a0nbsp\u200bzero-width",
-]
 
 
 
@@ -215,7 +196,7 @@ def sentencepiece_gguf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tup
 
 
 SENTENCEPIECE_CORPUS = [
-    *CORPUS,
+    *TOKENIZER_CORPUS,
     "<s>already a bos",
     "the <think>hmm</think> fox",
     "  two leading spaces",
@@ -265,7 +246,7 @@ def test_byte_level_tokenizer_splits_as_transformers_does(tmp_path: pathlib.Path
     assert ours is not None and ours.eos_token == "<|im_end|>"
     # Not "<|endoftext|>": absent from this vocabulary, transformers adds it as a new id past
     # the model's embedding (GPT2Tokenizer's default special token), which no model can take.
-    corpus = [t for t in CORPUS if "<|endoftext|>" not in t]
+    corpus = [t for t in TOKENIZER_CORPUS if "<|endoftext|>" not in t]
     for text in [*corpus, "DIGITS 1234567 AND SHOUTING'S", "it'S\r\n\r\n  x"]:
         ids = ref(text)["input_ids"]
         assert ours.encode(text) == ids, text

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_models import TOKENIZER_SENTENCES
+from hf_models import TOKENIZER_CORPUS
 
 from kvservice import LLM, SamplingParams
 from kvservice.model_loader import ModelLoadError, load_model, load_model_config
@@ -17,25 +17,6 @@ from kvservice.model_loader import ModelLoadError, load_model, load_model_config
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
-# Text a tokenizer gets wrong in many small ways: unicode, emoji, CJK, whitespace runs,
-# tabs and newlines, digits, special tokens written into the text.
-CORPUS = [
-    *TOKENIZER_SENTENCES,
-    "",
-    " ",
-    "Hello, world!",
-    "  leading spaces and trailing   ",
-    "tabs\tand\nnew\n\nlines\r\n",
-    "digits 1234567890 and 3.14159 and 1,000,000",
-    "naïve café, Ωmega ≈ √2, ß and Æ",
-    "东京和大阪 and 東京 と 大阪 and 서울",
-    "emoji 🙂🚀👩‍👩‍👧 and flags 🇫🇷",
-    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
-    "text<|endoftext|>more text",
-    "code:\n    def f(x):\n        return x ** 2  # square\n",
-    "It's, we're, they'll, I'd, you've",
-    "mixed\u00a0nbsp\u200bzero-width",
-]
 
 CONVERSATIONS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -109,7 +90,7 @@ def test_smollm2_stops_at_end_of_turn_by_itself(
 def test_smollm2_tokenizer_matches_transformers(smollm2_llm: LLM, smollm2_hf_tokenizer: Any) -> None:
     ours, ref = smollm2_llm.tokenizer, smollm2_hf_tokenizer
     assert ours is not None
-    for text in CORPUS:
+    for text in TOKENIZER_CORPUS:
         ids = ref(text)["input_ids"]
         assert ours.encode(text) == ids, text
         assert ours.encode(text, add_special_tokens=False) == ref(text, add_special_tokens=False)["input_ids"]
