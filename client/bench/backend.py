@@ -9,7 +9,9 @@ times tokens the same way), and reads the KV transfer counters where it can: the
 from __future__ import annotations
 
 import abc
+import argparse
 import asyncio
+import os
 import ssl
 import time
 
@@ -21,8 +23,10 @@ from kvservice.client.bench.openai_stream import ENDPOINTS, record_openai_reques
 from kvservice.client.bench.record import record_grpc_request
 from kvservice.client.bench.workload import SampledRequest
 from kvservice.client.client import KVServiceClient
+from kvservice.tls import TLSFiles, add_tls_arguments
 
 GRPC = "grpc"
+OPENAI_API_KEY_ENV = "OPENAI_API_KEY"
 BACKENDS = (GRPC, *ENDPOINTS)
 _HEALTH_POLL_SECONDS = 0.2  # HTTP has no health watch: a readiness probe, not synchronisation
 
@@ -169,3 +173,41 @@ class OpenAIBackend(Backend):
         if self.stats_client is None:
             return None
         return KVTransferTotals.from_stats(await self.stats_client.stats())
+
+
+# ---------------------------------------------------------------- the flags
+
+
+def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which server and how to reach it (`bench serve`), the TLS flags included."""
+    parser.add_argument("--backend", choices=BACKENDS, default=GRPC, help="grpc: kvservice's gRPC API (--target); openai: streamed /v1/completions, openai-chat: streamed /v1/chat/completions (--base-url) (default: grpc)")
+    parser.add_argument("--target", metavar="HOST:PORT", help="grpc: the proxy, or a colocated (--role both) worker")
+    parser.add_argument("--base-url", metavar="URL", help="openai, openai-chat: the server's root, e.g. http://127.0.0.1:8080 (kvservice's HTTP front, vLLM, SGLang)")
+    parser.add_argument("--model", default=None, help="the model name: sent in HTTP requests, and in the result file's name (default: HTTP: the first /v1/models lists; grpc: kvservice)")
+    parser.add_argument("--api-key", default=os.environ.get(OPENAI_API_KEY_ENV), metavar="KEY", help=f"HTTP backends: the bearer token (default: ${OPENAI_API_KEY_ENV})")
+    parser.add_argument(
+        "--stats-target", metavar="HOST:PORT",
+        help="HTTP backends: a kvservice proxy's gRPC address to read the KV transfer figures from (default: none; HTTP has no Stats)",
+    )
+    add_tls_arguments(parser)
+
+
+def _client_ssl_context(tls: TLSFiles) -> ssl.SSLContext | None:
+    """HTTPS with --tls-ca (verify the server by it) and --tls-cert/--tls-key (present them); None: the defaults."""
+    if not tls.is_enabled:
+        return None
+    context = ssl.create_default_context(cafile=tls.ca)
+    if tls.cert is not None and tls.key is not None:
+        context.load_cert_chain(tls.cert, tls.key)
+    return context
+
+
+def backend_from_args(args: argparse.Namespace) -> Backend:
+    """The backend `add_backend_arguments` (and the TLS flags) describe, not yet entered."""
+    tls = TLSFiles.from_args(args)
+    if args.backend == GRPC:
+        return GrpcBackend(args.target, tls.channel_credentials(), args.auth_token)
+    return OpenAIBackend(
+        args.backend, args.base_url, args.model, api_key=args.api_key, ssl_context=_client_ssl_context(tls),
+        max_connections=args.max_concurrency, stats_target=args.stats_target, stats_credentials=tls.channel_credentials(),
+    )

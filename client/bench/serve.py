@@ -22,9 +22,7 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import secrets
-import ssl
 import sys
 import time
 from collections.abc import Sequence
@@ -36,7 +34,7 @@ from typing import Any, Protocol
 import aiohttp
 import grpc
 
-from kvservice.client.bench.backend import BACKENDS, GRPC, Backend, GrpcBackend, OpenAIBackend
+from kvservice.client.bench.backend import GRPC, Backend, GrpcBackend, OpenAIBackend, add_backend_arguments, backend_from_args
 from kvservice.client.bench.metrics import (
     GOODPUT_METRICS,
     BenchmarkMetrics,
@@ -54,12 +52,10 @@ from kvservice.client.bench.workload import (
     request_arrivals,
     sharegpt_requests,
 )
-from kvservice.tls import TLSFiles, add_tls_arguments
 
 # Byte ids only: valid for the `tiny` model (vocabulary 320) and any real tokenizer.
 DEFAULT_VOCAB_SIZE = 256
 DEFAULT_NUM_PROMPTS = 100
-OPENAI_API_KEY_ENV = "OPENAI_API_KEY"
 KV_NOT_MEASURED = "not measured (HTTP has no Stats; --stats-target HOST:PORT reads a kvservice proxy's)"
 
 
@@ -252,17 +248,8 @@ def add_workload_arguments(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=BACKENDS, default=GRPC, help="grpc: kvservice's gRPC API (--target); openai: streamed /v1/completions, openai-chat: streamed /v1/chat/completions (--base-url) (default: grpc)")
-    parser.add_argument("--target", metavar="HOST:PORT", help="grpc: the proxy, or a colocated (--role both) worker")
-    parser.add_argument("--base-url", metavar="URL", help="openai, openai-chat: the server's root, e.g. http://127.0.0.1:8080 (kvservice's HTTP front, vLLM, SGLang)")
-    parser.add_argument("--model", default=None, help="the model name: sent in HTTP requests, and in the result file's name (default: HTTP: the first /v1/models lists; grpc: kvservice)")
-    parser.add_argument("--api-key", default=os.environ.get(OPENAI_API_KEY_ENV), metavar="KEY", help=f"HTTP backends: the bearer token (default: ${OPENAI_API_KEY_ENV}, else --auth-token)")
-    parser.add_argument(
-        "--stats-target", metavar="HOST:PORT",
-        help="HTTP backends: a kvservice proxy's gRPC address to read the KV transfer figures from (default: none; HTTP has no Stats)",
-    )
+    add_backend_arguments(parser)
     parser.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for the server to be ready (default: 60)")
-    add_tls_arguments(parser)
     add_workload_arguments(
         parser, input_len=1024, output_len=None, num_prompts=DEFAULT_NUM_PROMPTS, request_rate=math.inf,
         tokenizer_default="grpc: tiny; HTTP: the served model's, when it is a preset or a local path",
@@ -319,15 +306,15 @@ def write_json(path: Path, result: dict[str, Any]) -> None:
     path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
 
-class WorkloadError(ValueError):
-    """The flags describe no workload (exit code 2, as a usage error)."""
+class UsageError(ValueError):
+    """The flags ask for what cannot run: a missing address, no workload (exit code 2, as argparse's errors)."""
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         _check_backend_flags(args)
         metrics, records, extra = asyncio.run(_run(args))
-    except WorkloadError as e:
+    except UsageError as e:
         print(f"kvservice bench serve: error: {e}", file=sys.stderr)
         return 2
     except (ValueError, RuntimeError, TimeoutError, grpc.aio.AioRpcError, aiohttp.ClientError) as e:
@@ -355,34 +342,14 @@ def main(args: argparse.Namespace) -> int:
 def _check_backend_flags(args: argparse.Namespace) -> None:
     if args.backend == GRPC:
         if args.target is None:
-            raise WorkloadError("--backend grpc needs --target HOST:PORT")
+            raise UsageError("--backend grpc needs --target HOST:PORT")
         if args.base_url is not None or args.stats_target is not None:
-            raise WorkloadError("--base-url and --stats-target are for the HTTP backends (--backend openai or openai-chat)")
+            raise UsageError("--base-url and --stats-target are for the HTTP backends (--backend openai or openai-chat)")
     else:
         if args.base_url is None:
-            raise WorkloadError(f"--backend {args.backend} needs --base-url URL (e.g. http://127.0.0.1:8080)")
+            raise UsageError(f"--backend {args.backend} needs --base-url URL (e.g. http://127.0.0.1:8080)")
         if args.target is not None:
-            raise WorkloadError(f"--target is for --backend grpc; with --backend {args.backend}, --stats-target HOST:PORT reads the KV figures")
-
-
-def _client_ssl_context(tls: TLSFiles) -> ssl.SSLContext | None:
-    """HTTPS with --tls-ca (verify the server by it) and --tls-cert/--tls-key (present them); None: the defaults."""
-    if not tls.is_enabled:
-        return None
-    context = ssl.create_default_context(cafile=tls.ca)
-    if tls.cert is not None and tls.key is not None:
-        context.load_cert_chain(tls.cert, tls.key)
-    return context
-
-
-def _backend(args: argparse.Namespace) -> Backend:
-    tls = TLSFiles.from_args(args)
-    if args.backend == GRPC:
-        return GrpcBackend(args.target, tls.channel_credentials(), args.auth_token)
-    return OpenAIBackend(
-        args.backend, args.base_url, args.model, api_key=args.api_key or args.auth_token, ssl_context=_client_ssl_context(tls),
-        max_connections=args.max_concurrency, stats_target=args.stats_target, stats_credentials=tls.channel_credentials(),
-    )
+            raise UsageError(f"--target is for --backend grpc; with --backend {args.backend}, --stats-target HOST:PORT reads the KV figures")
 
 
 def _tokenizer_name(args: argparse.Namespace, model: str | None) -> str:
@@ -393,7 +360,7 @@ def _tokenizer_name(args: argparse.Namespace, model: str | None) -> str:
         return "tiny"
     assert model is not None
     if not is_local_tokenizer(model):
-        raise WorkloadError(
+        raise UsageError(
             f"--tokenizer: the server's model {model!r} is neither a preset (tiny, smollm2) nor a local path, "
             "so its tokenizer is unknown here; give --tokenizer"
         )
@@ -401,7 +368,7 @@ def _tokenizer_name(args: argparse.Namespace, model: str | None) -> str:
 
 
 async def _run(args: argparse.Namespace) -> tuple[BenchmarkMetrics, list[RequestRecord], dict[str, Any]]:
-    async with _backend(args) as backend:
+    async with backend_from_args(args) as backend:
         await backend.wait_until_ready(args.ready_timeout)
         model = args.model
         if isinstance(backend, OpenAIBackend) and backend.model is None:
@@ -418,7 +385,7 @@ async def _run(args: argparse.Namespace) -> tuple[BenchmarkMetrics, list[Request
                 assert tokenizer is not None
                 requests = as_text_requests(requests, tokenizer)
         except (ValueError, OSError) as e:  # OSError: an unreadable dataset or tokenizer file
-            raise WorkloadError(str(e)) from None
+            raise UsageError(str(e)) from None
         metrics, records, extra = await run_benchmark(backend, requests, **_run_settings(args))
     extra.update(model_id=model or "kvservice", tokenizer_id=tokenizer, **workload_settings(args))
     return metrics, records, extra
