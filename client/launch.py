@@ -9,6 +9,7 @@ import signal
 import sys
 
 from kvservice.client.cluster import LaunchError, LocalCluster
+from kvservice.engine_args import add_engine_arguments, engine_argv, engine_config
 from kvservice.event_loop import run_event_loop
 from kvservice.tls import AUTH_TOKEN_ENV, TLSFiles, add_tls_arguments
 
@@ -21,12 +22,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=None, help="the proxy's OpenAI-compatible HTTP API on this port (default: off)")
     parser.add_argument("--metrics-port", type=int, default=None, help="the proxy's Prometheus /metrics on this port; every worker gets one the OS picks (default: off)")
     add_tls_arguments(parser)
+    add_engine_arguments(parser)  # passed to every worker
     parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker")
 
 
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """Every worker's `kvservice serve` flags: the engine flags given to `launch`, then those after '--'."""
+    return [*engine_argv(args), *(a for a in args.worker_args if a != "--")]
+
+
 def main(args: argparse.Namespace) -> int:
-    extra = [a for a in args.worker_args if a != "--"]
-    return run_event_loop(_launch(args, extra))
+    try:
+        engine_config(args)  # a bad engine flag fails here, not in every worker
+    except ValueError as e:
+        print(f"kvservice launch: error: {e}", file=sys.stderr)
+        return 2
+    return run_event_loop(_launch(args, worker_argv(args)))
 
 
 async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:

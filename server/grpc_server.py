@@ -7,6 +7,7 @@ ones get `grace` seconds to finish, then the process exits 0.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -99,6 +100,14 @@ SERVICE_NAMES = {
     "worker": pb.DESCRIPTOR.services_by_name["Worker"].full_name,
     "kv_transfer": pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name,
 }
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def add_log_level_argument(parser: argparse.ArgumentParser) -> None:
+    """`--log-level`, in any case (`info` is `INFO`)."""
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="WARNING", help="logging level (default: WARNING)")
 
 
 def configure_logging(level: str = "INFO") -> None:

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2
 from kvservice.event_loop import run_event_loop
 from kvservice.model_loader import load_model_config, load_tokenizer, model_name
 from kvservice.server.auth import BearerTokenInterceptor
-from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, configure_logging
+from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, add_log_level_argument, configure_logging
 from kvservice.server.metrics import (
     ServerMetrics,
     metrics_app,
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
         help=f"deadline of one request's calls to its workers, whole stream included, seconds (default: {DEFAULT_REQUEST_TIMEOUT_S:g})",
     )
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    add_log_level_argument(parser)
     add_tls_arguments(parser)
 
 

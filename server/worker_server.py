@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import sys
 
 import torch
 
+from kvservice import engine_args
 from kvservice.async_engine import AsyncLLMEngine
-from kvservice.config import KV_LOAD_FAILURE_POLICIES, EngineConfig
+from kvservice.config import EngineConfig
 from kvservice.connector.base import KVConnectorBase
 from kvservice.connector.decode_connector import DecodeKVConnector
 from kvservice.connector.kv_transfer_service import KVTransferService
@@ -31,7 +33,7 @@ from kvservice.model_loader import ModelLoadError, load_model_config, resolve_dt
 from kvservice.server.auth import BearerTokenInterceptor
 from kvservice.server.colocated_service import ColocatedGenerationService
 from kvservice.server.decode_service import DecodeWorkerService
-from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, configure_logging
+from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, add_log_level_argument, configure_logging
 from kvservice.server.metrics import ServerMetrics, metrics_app, start_http
 from kvservice.server.openai_front import OpenAIFront
 from kvservice.server.prefill_service import PrefillWorkerService
@@ -45,38 +47,20 @@ ROLES = ("prefill", "decode", "both")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by `serve` and `launch`."""
+    """The worker's flags; the `EngineConfig` knobs come from `kvservice.engine_args` (shared with `launch`)."""
     parser.add_argument("--model", default="tiny", help="'tiny' (built in) or a Hugging Face model directory (default: tiny)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default: cpu)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights and KV dtype (default: the checkpoint's)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the cache (default: from --kv-cache-mib)")
-    parser.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache size when --num-blocks is not given (default: 256)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step (default: 64)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default: 2048)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt plus output (default: the model's)")
-    parser.add_argument(
-        "--kv-load-failure-policy", default="recompute", choices=KV_LOAD_FAILURE_POLICIES,
-        help="decode side, when pulling the KV fails: recompute the prompt (default) or fail the request",
-    )
+    engine_args.add_engine_arguments(parser)
     parser.add_argument("--kv-lease-seconds", type=float, default=30.0, help="prefill side: staged KV not pulled within this is freed (default: 30)")
     parser.add_argument("--kv-staging-mib", type=int, default=256, help="prefill side: staging pool bound (default: 256)")
     parser.add_argument("--kv-transfer-timeout", type=float, default=120.0, help="decode side: deadline of one KV pull, seconds (default: 120)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)")
     parser.add_argument(
         "--max-queued-requests", type=int, default=1024,
         help="admission control: requests not yet running (incl. waiting for remote KV) past which new ones get RESOURCE_EXHAUSTED (default: 1024)",
     )
-    parser.add_argument(
-        "--draft-model", default=None,
-        help="speculative decoding: a draft model with the same vocabulary ('tiny' or a directory); "
-        "decode and colocated workers use it, a prefill worker ignores it (decode workers recompute the draft's KV)",
-    )
-    parser.add_argument("--num-speculative-tokens", type=int, default=0, help="draft tokens proposed per step (default: 0, off)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default: 30)")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    add_log_level_argument(parser)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,21 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_cache_memory_bytes=args.kv_cache_mib << 20,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        kv_load_failure_policy=args.kv_load_failure_policy,
+    config = engine_args.engine_config(args)
+    if args.role == "prefill":
         # The draft's KV never travels: a prefill worker would compute it for nobody.
-        draft_model=None if args.role == "prefill" else args.draft_model,
-        num_speculative_tokens=0 if args.role == "prefill" else args.num_speculative_tokens,
-    )
+        return dataclasses.replace(config, draft_model=None, num_speculative_tokens=0)
+    return config
 
 
 def main(args: argparse.Namespace) -> int:

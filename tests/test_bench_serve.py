@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import re
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from aiohttp import web
 from conftest import local_cluster
 
 from kvservice.client.bench import serve as bench_serve
 from kvservice.client.bench.compare import format_compare_table, plan_cores
 from kvservice.client.bench.metrics import KVTransferTotals, kv_transfer_report_lines
+from kvservice.tokenizer import ByteTokenizer
 from kvservice.v1 import kvservice_pb2 as pb
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -32,7 +38,7 @@ async def test_bench_serve_on_a_prefill_decode_pair(tmp_path: Path, capsys: pyte
         args = _serve_args(
             "--target", cluster.address, "--num-prompts", "8", "--input-len", "40", "--output-len", "8",
             "--request-rate", "20", "--goodput", "e2el:60000", "--disable-tqdm",
-            "--save-result", str(result_file), "--plot", str(plot_dir),
+            "--save-result", "--result-filename", str(result_file), "--plot", str(plot_dir),
         )
         # main() owns its event loop (asyncio.run), so it runs in a thread here.
         assert await asyncio.to_thread(bench_serve.main, args) == 0
@@ -124,3 +130,154 @@ def test_plan_cores_pins_prefill_and_decode_apart_and_falls_back_on_one_core() -
     single = plan_cores({5})
     assert single.colocated == single.prefill == single.decode == (5,)
     assert "only core 5" in single.note
+
+
+@pytest.mark.slow
+async def test_bench_serve_openai_backend_on_the_http_front(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    proxy_args = ("--http-port", "0", "--served-model-name", "tiny")
+    async with local_cluster("tiny", num_prefill=1, num_decode=1, proxy_args=proxy_args) as cluster:
+        base_url = f"http://{cluster.child('proxy').http_address}"
+        common = ("--backend", "openai", "--base-url", base_url, "--num-prompts", "4", "--random-input-len", "24",
+                  "--random-output-len", "6", "--disable-tqdm")
+        args = _serve_args(*common, "--stats-target", cluster.address, "--save-result", "--result-dir", str(tmp_path))
+        assert await asyncio.to_thread(bench_serve.main, args) == 0
+        report = capsys.readouterr().out
+        # Without --stats-target there are no KV figures, and the report says why.
+        assert await asyncio.to_thread(bench_serve.main, _serve_args(*common, "--num-prompts", "2")) == 0
+        assert "not measured (HTTP has no Stats" in capsys.readouterr().out
+
+    (result_file,) = tmp_path.iterdir()
+    assert re.fullmatch(r"openai-infqps-tiny-\d{8}-\d{6}\.json", result_file.name), result_file.name
+    result = json.loads(result_file.read_text())
+    assert (result["backend"], result["target"], result["model_id"]) == ("openai", base_url, "tiny")
+    assert result["completed"] == 4 and result["failed"] == 0
+    # Token ids as the prompt, and kvservice's token_ids per event: exact counts both ways.
+    assert result["total_input_tokens"] == 4 * 24 and result["total_output_tokens"] == 4 * 6
+    assert [len(r["token_times"]) for r in result["requests"]] == [6] * 4
+    assert 0 < result["mean_ttft_ms"] < result["mean_ttst_ms"] < result["mean_e2el_ms"]
+    assert result["kv_transfer_count"] == 4 and result["kv_transfer_bytes"] > 0
+    assert "KV transfers (failed):                   4 (0)" in report
+
+
+class _FakeChatServer:
+    """A vLLM-like `/v1/chat/completions`: one content delta per token (two tokens in one
+    delta once), no token ids, a usage event; it keeps what each request asked for."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.bodies: list[dict[str, Any]] = []
+        self.authorizations: list[str | None] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        self.authorizations.append(request.headers.get("Authorization"))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+
+        async def send(event: object) -> None:
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+
+        def delta(content: dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
+            return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": self.model,
+                    "choices": [{"index": 0, "delta": content, "finish_reason": finish_reason}]}
+
+        num_tokens = body["max_completion_tokens"]
+        await send(delta({"role": "assistant", "content": ""}))
+        await send(delta({"content": "ab"}))  # two tokens in one delta
+        for _ in range(num_tokens - 2):
+            await send(delta({"content": "c"}))
+        await send(delta({}, "length"))
+        prompt_tokens = len(body["messages"][0]["content"]) + 5  # the chat template's tokens too
+        await send({"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": num_tokens}})
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+
+@contextlib.asynccontextmanager
+async def _serve(app: web.Application) -> AsyncIterator[str]:
+    """`app` on 127.0.0.1, a port the OS picks; yields its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_bench_serve_openai_chat_backend_on_a_vllm_like_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    server = _FakeChatServer("tiny")
+    result_file = tmp_path / "chat.json"
+    async with _serve(server.app()) as base_url:
+        args = _serve_args(
+            "--backend", "openai-chat", "--base-url", base_url + "/v1", "--dataset-name", "random", "--random-input-len", "12",
+            "--random-output-len", "5", "--num-prompts", "3", "--disable-tqdm", "--result-filename", str(result_file),
+        )
+        assert await asyncio.to_thread(bench_serve.main, args) == 0
+
+    assert len(server.bodies) == 3 and server.authorizations == ["Bearer sk-test"] * 3
+    expected_prompts = bench_serve.random_requests(3, 12, 5, 0.0, bench_serve.DEFAULT_VOCAB_SIZE, 0)
+    for body, request in zip(server.bodies, expected_prompts):
+        # The served model's tokenizer ('tiny', from /v1/models) turned the random ids into text.
+        assert body["messages"] == [{"role": "user", "content": ByteTokenizer().decode(request.prompt_token_ids or [])}]
+        assert (body["model"], body["max_completion_tokens"], body["ignore_eos"], body["stream"]) == ("tiny", 5, True, True)
+    result = json.loads(result_file.read_text())
+    assert result["completed"] == 3 and result["failed"] == 0
+    assert result["output_lens"] == [5, 5, 5]  # usage fixed the delta that held two tokens
+    assert result["input_lens"] == [len(b["messages"][0]["content"]) + 5 for b in server.bodies]
+    assert result["tokenizer_id"] == "tiny" and result["kv_transfer_note"]
+    assert "KV transfers:" in capsys.readouterr().out
+
+
+async def test_bench_serve_http_asks_for_a_tokenizer_when_the_served_model_is_not_local(capsys: pytest.CaptureFixture[str]) -> None:
+    async with _serve(_FakeChatServer("meta-llama/Llama-3.1-8B-Instruct").app()) as base_url:
+        args = _serve_args("--backend", "openai-chat", "--base-url", base_url, "--num-prompts", "1", "--disable-tqdm")
+        assert await asyncio.to_thread(bench_serve.main, args) == 2
+    err = capsys.readouterr().err
+    assert "'meta-llama/Llama-3.1-8B-Instruct' is neither a preset" in err and "give --tokenizer" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (("--num-prompts", "1"), "--backend grpc needs --target"),
+    (("--backend", "openai", "--num-prompts", "1"), "--backend openai needs --base-url"),
+    (("--backend", "openai", "--base-url", "http://x", "--target", "x:1"), "--target is for --backend grpc"),
+])
+def test_bench_serve_names_the_missing_or_misplaced_address(argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_serve.main(_serve_args(*argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_vllm_flag_names_are_aliases() -> None:
+    vllm = _serve_args("--target", "x:1", "--dataset-name", "sharegpt", "--random-input-len", "7", "--random-output-len", "3",
+                       "--random-range-ratio", "0.5")
+    ours = _serve_args("--target", "x:1", "--dataset", "sharegpt", "--input-len", "7", "--output-len", "3", "--range-ratio", "0.5")
+    assert vars(vllm) == vars(ours)
+
+
+def test_result_path_follows_vllms_naming_and_the_older_save_result_file() -> None:
+    assert bench_serve.result_path(_serve_args("--target", "x:1"), "grpc", "tiny") is None
+    default = bench_serve.result_path(_serve_args("--target", "x:1", "--save-result", "--request-rate", "2.5", "--max-concurrency", "4"),
+                                      "openai", "/models/Llama-3-8B/")
+    assert default is not None and re.fullmatch(r"openai-2\.5qps-concurrency4-Llama-3-8B-\d{8}-\d{6}\.json", str(default))
+    in_dir = bench_serve.result_path(_serve_args("--target", "x:1", "--result-dir", "out", "--result-filename", "r.json"), "grpc", "tiny")
+    assert in_dir == Path("out/r.json")
+    assert bench_serve.result_path(_serve_args("--target", "x:1", "--save-result", "old.json"), "grpc", "tiny") == Path("old.json")

@@ -19,7 +19,7 @@ import pytest_asyncio
 from conftest import local_cluster
 
 from kvservice import LLM, SamplingParams
-from kvservice.cli import BENCHMARKS, COMMANDS, main
+from kvservice.cli import BENCHMARKS, COMMANDS, build_parser, main
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -215,3 +215,14 @@ async def test_chat_keeps_the_history_and_quits_at_end_of_input(server: str) -> 
     _, second = tiny_chat(history, 6)
     # Three prompts (the empty line is skipped, end of input quits), each answer after its prompt.
     assert stdout.decode() == f"you> {first}\nyou> you> {second}\nyou> \n"
+
+
+@pytest.mark.parametrize("argv", [["serve", "--role", "both"], ["proxy", "--decode", "127.0.0.1:1"]])
+async def test_log_level_takes_any_case_and_only_real_levels(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser(argv[0])
+    assert parser.parse_args([*argv, "--log-level", "info"]).log_level == "INFO"
+    assert parser.parse_args([*argv, "--log-level", "Debug"]).log_level == "DEBUG"
+    assert parser.parse_args(argv).log_level == "WARNING"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*argv, "--log-level", "verbose"])
+    assert "invalid choice: 'VERBOSE'" in capsys.readouterr().err

@@ -23,6 +23,7 @@ from kvservice.client.bench.metrics import RequestRecord
 from kvservice.client.bench.serve import (
     add_workload_arguments,
     result_json,
+    result_path,
     run_benchmark_with_args,
     sample_requests,
     workload_settings,
@@ -99,7 +100,9 @@ def format_compare_table(results: dict[str, dict[str, Any]]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face model directory (default: tiny)")
-    add_workload_arguments(parser, input_len=1024, output_len=64, num_prompts=32, request_rate=4.0, num_warmups=2)
+    add_workload_arguments(
+        parser, input_len=1024, output_len=64, num_prompts=32, request_rate=4.0, num_warmups=2, tokenizer_default="--model's",
+    )
     parser.add_argument(
         "--no-pin", action="store_true",
         help="let every process use every core (an idle-system latency comparison) instead of "
@@ -110,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        requests = sample_requests(args)
+        requests = sample_requests(args, args.tokenizer or args.model)
     except (ValueError, OSError) as e:
         print(f"kvservice bench compare: error: {e}", file=sys.stderr)
         return 2
@@ -124,12 +127,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvservice bench compare: error: {message}", file=sys.stderr)
         return 1
     print(format_compare_table(results))
-    if args.save_result:
+    path = result_path(args, "compare", args.model)
+    if path is not None:
         settings = {"model": args.model, **workload_settings(args), "cores": {
             BASELINE: plan.colocated and list(plan.colocated), "prefill": plan.prefill and list(plan.prefill),
             "decode": plan.decode and list(plan.decode)}}
-        write_json(args.save_result, {"settings": settings, **results})
-        print(f"result written to {args.save_result}")
+        write_json(path, {"settings": settings, **results})
+        print(f"result written to {path}")
     if args.plot:
         from kvservice.client.bench.plots import (  # matplotlib only when asked
             write_compare_plot,

@@ -325,7 +325,9 @@ class KVTransferTotals:
 
 
 def kv_transfer_report_lines(extra: dict[str, Any]) -> list[tuple[str, object]]:
-    """Rows for `format_report` from `KVTransferTotals.to_result_json` keys."""
+    """Rows for `format_report` from `KVTransferTotals.to_result_json` keys (or `kv_transfer_note`)."""
+    if extra.get("kv_transfer_note"):
+        return [("KV transfers:", extra["kv_transfer_note"])]
     if not extra.get("kv_transfer_has_receiver"):
         return [("KV transfers:", "none (no decode worker)")]
     lines: list[tuple[str, object]] = [

@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+import aiohttp
 import grpc
 
 from kvservice.client.bench.metrics import RequestRecord
@@ -47,7 +48,7 @@ async def record_stream(record: RequestRecord, chunks: AsyncIterator[StreamedChu
             record.error = f"stream ended with finish_reason={finish_reason}"
     except grpc.aio.AioRpcError as e:
         record.error = f"{e.code().name}: {e.details()}"
-    except (OSError, ValueError) as e:  # HTTP backends: connection errors, bad responses
+    except (OSError, ValueError, aiohttp.ClientError) as e:  # HTTP backends: connection errors, bad responses
         record.error = f"{type(e).__name__}: {e}"
     finally:
         record.end = time.perf_counter()

@@ -1,11 +1,16 @@
 """`kvservice bench serve`: load a server with a workload and report vLLM `bench serve` metrics.
 
-Names and semantics follow vLLM's `bench serve`: requests are sent with
+The server is kvservice over gRPC (`--backend grpc --target HOST:PORT`, the default) or
+any OpenAI-compatible HTTP server (`--backend openai|openai-chat --base-url URL`:
+kvservice's front, vLLM, SGLang); see `backend.py`. vLLM's flag names are accepted
+(`--dataset-name`, `--random-input-len`, `--save-result` with `--result-dir` and
+`--result-filename`, ...). Names and semantics follow vLLM's `bench serve`: requests are sent with
 `ignore_eos=True`, `max_tokens` = the sampled output length and temperature 0, so
 every request generates exactly the tokens the workload asks for; arrivals are
 gamma-distributed (`--request-rate`, `--burstiness`), optionally capped by
 `--max-concurrency`. On top of vLLM's figures it reports time to second token and
-the KV transfer the run caused, from the decode side's `Stats` before and after.
+the KV transfer the run caused, from the decode side's `Stats` before and after (gRPC
+only: over HTTP with `--stats-target`, the proxy's gRPC address).
 
 `run_benchmark` is the reusable core (`bench compare` and the tests call it).
 """
@@ -21,35 +26,37 @@ import secrets
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+import aiohttp
 import grpc
 
+from kvservice.client.bench.backend import GRPC, Backend, GrpcBackend, OpenAIBackend, add_backend_arguments, backend_from_args
 from kvservice.client.bench.metrics import (
     GOODPUT_METRICS,
     BenchmarkMetrics,
-    KVTransferTotals,
     RequestRecord,
     compute_metrics,
     format_report,
     kv_transfer_report_lines,
     metrics_to_result_json,
 )
-from kvservice.client.bench.record import record_grpc_request
+from kvservice.client.bench.openai_stream import CHAT
+from kvservice.client.bench.tokenizer import is_local_tokenizer, load_tokenizer
 from kvservice.client.bench.workload import (
     SampledRequest,
     random_requests,
     request_arrivals,
     sharegpt_requests,
 )
-from kvservice.client.client import KVServiceClient
-from kvservice.tls import TLSFiles, add_tls_arguments
 
 # Byte ids only: valid for the `tiny` model (vocabulary 320) and any real tokenizer.
 DEFAULT_VOCAB_SIZE = 256
 DEFAULT_NUM_PROMPTS = 100
+KV_NOT_MEASURED = "not measured (HTTP has no Stats; --stats-target HOST:PORT reads a kvservice proxy's)"
 
 
 class _Progress(Protocol):
@@ -85,20 +92,10 @@ def _progress(total: int, disable: bool) -> _Progress:
 # ---------------------------------------------------------------- the run
 
 
-async def _send(
-    client: KVServiceClient, request: SampledRequest, request_id: str, timeout: float | None
-) -> RequestRecord:
-    prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
-    assert prompt is not None
-    return await record_grpc_request(
-        client, prompt, request_id, max_tokens=request.expected_output_len, prompt_len=request.prompt_len, timeout=timeout
-    )
-
-
-async def _warm_up(client: KVServiceClient, requests: Sequence[SampledRequest], num_warmups: int, timeout: float | None) -> None:
+async def _warm_up(backend: Backend, requests: Sequence[SampledRequest], num_warmups: int, timeout: float | None) -> None:
     tag = secrets.token_hex(4)
     records = await asyncio.gather(
-        *(_send(client, requests[i % len(requests)], f"warmup-{tag}-{i}", timeout) for i in range(num_warmups))
+        *(backend.send(requests[i % len(requests)], f"warmup-{tag}-{i}", timeout) for i in range(num_warmups))
     )
     failed = [r for r in records if not r.success]
     if failed:
@@ -106,7 +103,7 @@ async def _warm_up(client: KVServiceClient, requests: Sequence[SampledRequest], 
 
 
 async def run_benchmark(
-    target: str,
+    backend: Backend,
     requests: Sequence[SampledRequest],
     request_rate: float = math.inf,
     burstiness: float = 1.0,
@@ -117,60 +114,62 @@ async def run_benchmark(
     goodput_slos: dict[str, float] | None = None,
     request_timeout: float | None = None,
     disable_tqdm: bool = True,
-    credentials: grpc.ChannelCredentials | None = None,
-    bearer_token: str | None = None,
 ) -> tuple[BenchmarkMetrics, list[RequestRecord], dict[str, Any]]:
-    """Send `requests` to `target` at the given arrival process and measure them.
+    """Send `requests` through `backend` (entered, ready) at the given arrival process and measure them.
 
     Returns the metrics, one record per request in send order, and the extra result
     fields: the run's settings and the KV transfer figures (`kv_transfer_*`) of the
-    measured requests only (warm-ups excluded). Request failures are recorded, not
-    raised; a failed warm-up raises RuntimeError.
+    measured requests only (warm-ups excluded), or `kv_transfer_note` where the backend
+    cannot read them. Request failures are recorded, not raised; a failed warm-up raises
+    RuntimeError.
     """
     if not requests:
         raise ValueError("requests must not be empty")
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-    async with KVServiceClient(target, credentials, bearer_token) as client:
-        if num_warmups > 0:
-            await _warm_up(client, requests, num_warmups, request_timeout)
-        kv_before = KVTransferTotals.from_stats(await client.stats())
-        limit: contextlib.AbstractAsyncContextManager[object] = (
-            asyncio.Semaphore(max_concurrency) if max_concurrency is not None else contextlib.nullcontext()
-        )
-        progress = _progress(len(requests), disable_tqdm)
-        tag = secrets.token_hex(4)
+    if num_warmups > 0:
+        await _warm_up(backend, requests, num_warmups, request_timeout)
+    kv_before = await backend.kv_transfer_totals()
+    limit: contextlib.AbstractAsyncContextManager[object] = (
+        asyncio.Semaphore(max_concurrency) if max_concurrency is not None else contextlib.nullcontext()
+    )
+    progress = _progress(len(requests), disable_tqdm)
+    tag = secrets.token_hex(4)
 
-        async def send(index: int, request: SampledRequest) -> RequestRecord:
-            # As vLLM: the arrival schedule is fixed; the concurrency cap delays sending.
-            async with limit:
-                record = await _send(client, request, f"bench-{tag}-{index}", request_timeout)
-            progress.update(1)
-            return record
+    async def send(index: int, request: SampledRequest) -> RequestRecord:
+        # As vLLM: the arrival schedule is fixed; the concurrency cap delays sending.
+        async with limit:
+            record = await backend.send(request, f"bench-{tag}-{index}", request_timeout)
+        progress.update(1)
+        return record
 
-        benchmark_start = time.perf_counter()
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = []
-                async for request in request_arrivals(requests, request_rate, burstiness, seed):
-                    tasks.append(group.create_task(send(len(tasks), request)))
-        finally:
-            progress.close()
-        duration = time.perf_counter() - benchmark_start
-        kv_delta = KVTransferTotals.from_stats(await client.stats()).since(kv_before)
+    benchmark_start = time.perf_counter()
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = []
+            async for request in request_arrivals(requests, request_rate, burstiness, seed):
+                tasks.append(group.create_task(send(len(tasks), request)))
+    finally:
+        progress.close()
+    duration = time.perf_counter() - benchmark_start
+    kv_after = await backend.kv_transfer_totals() if kv_before is not None else None
     records = [task.result() for task in tasks]
     metrics = compute_metrics(records, duration, goodput_slos)
     extra: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "target": target,
+        "backend": backend.name,
+        "target": backend.address,
         "num_prompts": len(requests),
         "request_rate": request_rate if math.isfinite(request_rate) else "inf",
         "burstiness": burstiness,
         "max_concurrency": max_concurrency,
         "num_warmups": num_warmups,
         "goodput_slos": goodput_slos,
-        **kv_delta.to_result_json(),
     }
+    if kv_before is not None and kv_after is not None:
+        extra.update(kv_after.since(kv_before).to_result_json())
+    else:
+        extra["kv_transfer_note"] = KV_NOT_MEASURED
     return metrics, records, extra
 
 
@@ -209,15 +208,22 @@ def _slo(value: str) -> tuple[str, float]:
     return name, limit_ms
 
 
-def add_workload_arguments(parser: argparse.ArgumentParser, *, input_len: int, output_len: int | None, num_prompts: int, request_rate: float, num_warmups: int = 0) -> None:
-    """The workload and load-shape flags shared by `bench serve` and `bench compare`."""
-    parser.add_argument("--dataset", choices=["random", "sharegpt"], default="random", help="prompt source (default: random)")
+def add_workload_arguments(
+    parser: argparse.ArgumentParser, *, input_len: int, output_len: int | None, num_prompts: int, request_rate: float,
+    num_warmups: int = 0, tokenizer_default: str,
+) -> None:
+    """The workload and load-shape flags shared by `bench serve` and `bench compare` (vLLM's names accepted too)."""
+    parser.add_argument("--dataset", "--dataset-name", dest="dataset", choices=["random", "sharegpt"], default="random", help="prompt source (default: random)")
     parser.add_argument("--dataset-path", type=Path, help="the ShareGPT JSON file (with --dataset sharegpt)")
-    parser.add_argument("--tokenizer", default="tiny", help="ShareGPT only: 'tiny' (byte-level) or a tokenizer.json or model directory, to count prompt tokens (default: tiny)")
-    parser.add_argument("--input-len", type=int, default=input_len, help=f"random: prompt tokens (default: {input_len})")
+    parser.add_argument(
+        "--tokenizer", default=None,
+        help="counts ShareGPT prompt tokens and turns random token ids into text for openai-chat: "
+        f"'tiny', 'smollm2', a model directory, a GGUF file or a tokenizer.json (default: {tokenizer_default})",
+    )
+    parser.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=input_len, help=f"random: prompt tokens (default: {input_len})")
     out_default = "ShareGPT: the reply's length; random: 128" if output_len is None else str(output_len)
-    parser.add_argument("--output-len", type=int, default=output_len, help=f"tokens to generate per request (default: {out_default})")
-    parser.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in [len*(1-r), len*(1+r)] (default: 0)")
+    parser.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=output_len, help=f"tokens to generate per request (default: {out_default})")
+    parser.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0, help="random: lengths uniform in [len*(1-r), len*(1+r)] (default: 0)")
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help=f"random: token ids are drawn from [0, N) (default: {DEFAULT_VOCAB_SIZE}, valid for the tiny model and any real one)")
     parser.add_argument("--num-prompts", type=int, default=num_prompts, help=f"requests to send (default: {num_prompts})")
     rate = "inf: all at once" if math.isinf(request_rate) else f"{request_rate:g}"
@@ -228,35 +234,44 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, input_len: int, o
     parser.add_argument("--num-warmups", type=int, default=num_warmups, help=f"requests sent and discarded before measuring (default: {num_warmups})")
     parser.add_argument("--goodput", type=_slo, nargs="+", metavar="METRIC:MS", help=f"SLOs for goodput, METRIC in {', '.join(GOODPUT_METRICS)} (e.g. ttft:500 tpot:50)")
     parser.add_argument("--request-timeout", type=float, default=300.0, help="deadline of one request in seconds (default: 300)")
-    parser.add_argument("--save-result", type=Path, metavar="FILE", help="write the result JSON here")
+    parser.add_argument(
+        "--save-result", nargs="?", const="", default=None, metavar="FILE",
+        help="write the result JSON, named by --result-filename in --result-dir (a FILE given here is the older spelling of --result-filename)",
+    )
+    parser.add_argument("--result-dir", type=Path, default=None, help="directory of the result file (default: the current one); implies --save-result")
+    parser.add_argument(
+        "--result-filename", default=None,
+        help="the result file's name or path (default: BACKEND-RATEqps[-concurrencyN]-MODEL-DATE.json, as vLLM); implies --save-result",
+    )
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG charts into DIR (needs matplotlib)")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, metavar="HOST:PORT", help="the proxy, or a colocated (--role both) worker")
-    parser.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for the target to be SERVING (default: 60)")
-    add_tls_arguments(parser)
-    add_workload_arguments(parser, input_len=1024, output_len=None, num_prompts=DEFAULT_NUM_PROMPTS, request_rate=math.inf)
+    add_backend_arguments(parser)
+    parser.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for the server to be ready (default: 60)")
+    add_workload_arguments(
+        parser, input_len=1024, output_len=None, num_prompts=DEFAULT_NUM_PROMPTS, request_rate=math.inf,
+        tokenizer_default="grpc: tiny; HTTP: the served model's, when it is a preset or a local path",
+    )
 
 
-def _tokenizer_encode(name: str):  # noqa: ANN202 - Callable[[str], list[int]]
-    from kvservice.tokenizer import ByteTokenizer, HFTokenizer
-
-    if name == "tiny":
-        return ByteTokenizer().encode
-    path = Path(name)
-    return HFTokenizer(path / "tokenizer.json" if path.is_dir() else path).encode
-
-
-def sample_requests(args: argparse.Namespace) -> list[SampledRequest]:
-    """The workload the flags describe; raises ValueError / OSError on bad input."""
+def sample_requests(args: argparse.Namespace, tokenizer: str) -> list[SampledRequest]:
+    """The workload the flags describe (`tokenizer` counts ShareGPT prompts); raises ValueError / OSError on bad input."""
     if args.dataset == "sharegpt":
         if args.dataset_path is None:
             raise ValueError("--dataset sharegpt needs --dataset-path")
-        return sharegpt_requests(args.dataset_path, args.num_prompts, _tokenizer_encode(args.tokenizer), args.seed, args.output_len)
+        encode = load_tokenizer(tokenizer).encode
+        return sharegpt_requests(args.dataset_path, args.num_prompts, encode, args.seed, args.output_len)
     output_len = 128 if args.output_len is None else args.output_len
     return random_requests(args.num_prompts, args.input_len, output_len, args.range_ratio, args.vocab_size, args.seed)
+
+
+def as_text_requests(requests: Sequence[SampledRequest], tokenizer: str) -> list[SampledRequest]:
+    """Token-id prompts decoded to text (a chat message is text); `prompt_len` stays the ids' count
+    until the server's usage reports the rendered prompt's."""
+    decode = load_tokenizer(tokenizer).decode
+    return [r if r.prompt_token_ids is None else replace(r, prompt=decode(r.prompt_token_ids), prompt_token_ids=None) for r in requests]
 
 
 def workload_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -270,63 +285,128 @@ def workload_settings(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def result_path(args: argparse.Namespace, label: str, model: str) -> Path | None:
+    """Where `--save-result` / `--result-dir` / `--result-filename` put the result; None when not asked.
+
+    The default name is vLLM's: `{label}-{rate}qps[-concurrency{N}]-{model's last path part}-{date}.json`.
+    """
+    name = args.result_filename or args.save_result or None
+    if name is None and args.save_result is None and args.result_dir is None:
+        return None
+    if name is None:
+        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
+        model_name = Path(model.rstrip("/")).name or "model"
+        name = f"{label}-{args.request_rate:g}qps{concurrency}-{model_name}-{datetime.now():%Y%m%d-%H%M%S}.json"
+    path = Path(name)
+    return path if args.result_dir is None or path.is_absolute() else args.result_dir / path
+
+
 def write_json(path: Path, result: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
 
+class UsageError(ValueError):
+    """The flags ask for what cannot run: a missing address, no workload (exit code 2, as argparse's errors)."""
+
+
 def main(args: argparse.Namespace) -> int:
     try:
-        requests = sample_requests(args)
-    except (ValueError, OSError) as e:
+        _check_backend_flags(args)
+        metrics, records, extra = asyncio.run(_run(args))
+    except UsageError as e:
         print(f"kvservice bench serve: error: {e}", file=sys.stderr)
         return 2
-    try:
-        metrics, records, extra = asyncio.run(_run(args, requests))
-    except (ValueError, RuntimeError, TimeoutError, grpc.aio.AioRpcError) as e:
+    except (ValueError, RuntimeError, TimeoutError, grpc.aio.AioRpcError, aiohttp.ClientError) as e:
         message = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
         print(f"kvservice bench serve: error: {message}", file=sys.stderr)
         return 1
-    extra.update(workload_settings(args))
     print(format_report(metrics, kv_transfer_report_lines(extra)))
-    if args.save_result:
-        write_json(args.save_result, result_json(metrics, records, extra))
-        print(f"result written to {args.save_result}")
+    path = result_path(args, args.backend, extra["model_id"])
+    if path is not None:
+        write_json(path, result_json(metrics, records, extra))
+        print(f"result written to {path}")
     if args.plot:
         from kvservice.client.bench.plots import (
             write_plots,  # matplotlib only when asked
         )
 
-        for path in write_plots(records, args.plot):
-            print(f"plot written to {path}")
+        for plot in write_plots(records, args.plot):
+            print(f"plot written to {plot}")
     errors = sorted({r.error for r in records if not r.success})
     for error in errors[:5]:
         print(f"error: {error}", file=sys.stderr)
     return 0 if metrics.failed == 0 else 1
 
 
-async def _run(args: argparse.Namespace, requests: list[SampledRequest]) -> tuple[BenchmarkMetrics, list[RequestRecord], dict[str, Any]]:
-    async with KVServiceClient(args.target, TLSFiles.from_args(args).channel_credentials()) as client:
-        await client.wait_until_serving(args.ready_timeout)
-    return await run_benchmark_with_args(args.target, requests, args)
+def _check_backend_flags(args: argparse.Namespace) -> None:
+    if args.backend == GRPC:
+        if args.target is None:
+            raise UsageError("--backend grpc needs --target HOST:PORT")
+        if args.base_url is not None or args.stats_target is not None:
+            raise UsageError("--base-url and --stats-target are for the HTTP backends (--backend openai or openai-chat)")
+    else:
+        if args.base_url is None:
+            raise UsageError(f"--backend {args.backend} needs --base-url URL (e.g. http://127.0.0.1:8080)")
+        if args.target is not None:
+            raise UsageError(f"--target is for --backend grpc; with --backend {args.backend}, --stats-target HOST:PORT reads the KV figures")
+
+
+def _tokenizer_name(args: argparse.Namespace, model: str | None) -> str:
+    """--tokenizer, else the served model's: 'tiny' over gRPC (no RPC names the model)."""
+    if args.tokenizer is not None:
+        return args.tokenizer
+    if args.backend == GRPC:
+        return "tiny"
+    assert model is not None
+    if not is_local_tokenizer(model):
+        raise UsageError(
+            f"--tokenizer: the server's model {model!r} is neither a preset (tiny, smollm2) nor a local path, "
+            "so its tokenizer is unknown here; give --tokenizer"
+        )
+    return model
+
+
+async def _run(args: argparse.Namespace) -> tuple[BenchmarkMetrics, list[RequestRecord], dict[str, Any]]:
+    async with backend_from_args(args) as backend:
+        await backend.wait_until_ready(args.ready_timeout)
+        model = args.model
+        if isinstance(backend, OpenAIBackend) and backend.model is None:
+            models = await backend.served_models()
+            if not models:
+                raise ValueError(f"{backend.address}/v1/models lists no model; give --model")
+            backend.model = model = models[0]
+        # The tokenizer is needed (and so resolved) only where the workload has text.
+        needs_text = args.backend == CHAT and args.dataset == "random"
+        tokenizer = _tokenizer_name(args, model) if args.dataset == "sharegpt" or needs_text else None
+        try:
+            requests = sample_requests(args, tokenizer or "tiny")
+            if needs_text:
+                assert tokenizer is not None
+                requests = as_text_requests(requests, tokenizer)
+        except (ValueError, OSError) as e:  # OSError: an unreadable dataset or tokenizer file
+            raise UsageError(str(e)) from None
+        metrics, records, extra = await run_benchmark(backend, requests, **_run_settings(args))
+    extra.update(model_id=model or "kvservice", tokenizer_id=tokenizer, **workload_settings(args))
+    return metrics, records, extra
+
+
+def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "request_rate": args.request_rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "seed": args.seed,
+        "num_warmups": args.num_warmups,
+        "goodput_slos": dict(args.goodput) if args.goodput else None,
+        "request_timeout": args.request_timeout,
+        "disable_tqdm": args.disable_tqdm,
+    }
 
 
 async def run_benchmark_with_args(
     target: str, requests: list[SampledRequest], args: argparse.Namespace
 ) -> tuple[BenchmarkMetrics, list[RequestRecord], dict[str, Any]]:
-    """`run_benchmark` with the workload flags that `bench serve` and `bench compare` share."""
-    return await run_benchmark(
-        target,
-        requests,
-        args.request_rate,
-        args.burstiness,
-        args.max_concurrency,
-        seed=args.seed,
-        num_warmups=args.num_warmups,
-        goodput_slos=dict(args.goodput) if args.goodput else None,
-        request_timeout=args.request_timeout,
-        disable_tqdm=args.disable_tqdm,
-        # `bench compare` shares these flags but launches its own plaintext cluster.
-        credentials=TLSFiles.from_args(args).channel_credentials() if hasattr(args, "tls_ca") else None,
-        bearer_token=getattr(args, "auth_token", None),
-    )
+    """`run_benchmark` over plaintext gRPC at `target` with the workload flags `bench serve` and `bench compare` share."""
+    async with GrpcBackend(target) as backend:
+        return await run_benchmark(backend, requests, **_run_settings(args))

@@ -1,0 +1,66 @@
+"""The engine's command-line flags: defined once, for `kvservice serve` and `kvservice launch`.
+
+`add_engine_arguments` adds one flag per `EngineConfig` knob; `engine_config` builds the
+config from the parsed flags (a bad value fails there, naming the field); `engine_argv`
+turns the flags a user gave `launch` back into the same flags for every worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvservice.config import KV_LOAD_FAILURE_POLICIES, SUPPORTED_DTYPES, EngineConfig
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Add the engine flags to `parser` (in their own help section); returns their actions."""
+    group = parser.add_argument_group("engine", "the model's placement, the KV cache and batching limits of every worker")
+    return [
+        group.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default: cpu)"),
+        group.add_argument("--dtype", default="auto", choices=SUPPORTED_DTYPES, help="weights and KV dtype (default: auto, the checkpoint's)"),
+        group.add_argument("--max-model-len", type=int, default=None, help="longest prompt plus output, in tokens (default: the model's)"),
+        group.add_argument("--block-size", type=int, default=16, help="tokens per KV block, a power of two (default: 16)"),
+        group.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the cache (default: as many as --kv-cache-mib holds)"),
+        group.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache size in MiB when --num-blocks is not given (default: 256)"),
+        group.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step (default: 64)"),
+        group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default: 2048)"),
+        group.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)"),
+        group.add_argument(
+            "--kv-load-failure-policy", default="recompute", choices=KV_LOAD_FAILURE_POLICIES,
+            help="decode side, when pulling the KV fails: recompute the prompt (default) or fail the request",
+        ),
+        group.add_argument(
+            "--draft-model", default=None,
+            help="speculative decoding: a draft model with the same vocabulary ('tiny' or a directory); "
+            "decode and colocated workers use it, a prefill worker ignores it (decode workers recompute the draft's KV)",
+        ),
+        group.add_argument("--num-speculative-tokens", type=int, default=0, help="draft tokens proposed per step (default: 0, off)"),
+    ]
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The `EngineConfig` the engine flags describe; raises ValueError naming a bad field."""
+    return EngineConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory_bytes=args.kv_cache_mib << 20,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        kv_load_failure_policy=args.kv_load_failure_policy,
+        draft_model=args.draft_model,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of `args` that differ from their defaults, as a worker's argv."""
+    argv: list[str] = []
+    for action in add_engine_arguments(argparse.ArgumentParser(add_help=False)):
+        value = getattr(args, action.dest)
+        if value != action.default:
+            argv += [action.option_strings[0], str(value)]
+    return argv

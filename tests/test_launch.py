@@ -1,0 +1,96 @@
+"""`kvservice launch`: the engine flags it takes reach every worker, and a bad one fails before any starts."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import pathlib
+import signal
+import sys
+
+import grpc
+import pytest
+import torch
+from conftest import kill_all
+
+from kvservice.client import launch
+from kvservice.client.client import KVServiceClient
+from kvservice.engine_args import engine_config
+from kvservice.kv_cache import KVCacheLayout
+from kvservice.model_loader import load_model_config
+from kvservice.server import worker_server
+
+KVSERVICE = str(pathlib.Path(sys.executable).with_name("kvservice"))
+
+
+def _parse(add_arguments: object, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)  # type: ignore[operator]
+    return parser.parse_args(list(argv))
+
+
+def test_engine_flags_given_to_launch_are_every_workers_engine_config() -> None:
+    args = _parse(
+        launch.add_arguments,
+        "--dtype", "float32", "--max-model-len", "256", "--block-size", "32", "--kv-cache-mib", "64",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--seed", "7", "--num-blocks", "100",
+        "--device", "cpu", "--kv-load-failure-policy", "fail", "--draft-model", "tiny", "--num-speculative-tokens", "2",
+        "--", "--num-threads", "1",
+    )
+    argv = launch.worker_argv(args)
+    assert argv[:4] == ["--dtype", "float32", "--max-model-len", "256"]
+    assert argv[-2:] == ["--num-threads", "1"]  # the flags after '--' come last: they win
+    worker = _parse(worker_server.add_arguments, "--role", "decode", *argv)
+    assert worker.num_threads == 1
+    assert worker_server.engine_config(worker) == engine_config(args)
+    assert engine_config(args).max_model_len == 256 and engine_config(args).dtype == "float32"
+
+
+def test_launch_passes_no_engine_flag_left_at_its_default() -> None:
+    args = _parse(launch.add_arguments, "--num-decode", "2", "--", "--kv-staging-mib", "8")
+    assert launch.worker_argv(args) == ["--kv-staging-mib", "8"]
+
+
+def test_launch_rejects_a_bad_engine_flag_before_starting_workers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert launch.main(_parse(launch.add_arguments, "--block-size", "24")) == 2
+    assert "block_size must be a power of two, got 24" in capsys.readouterr().err
+
+
+def test_launch_refuses_an_unknown_dtype() -> None:
+    with pytest.raises(SystemExit):
+        _parse(launch.add_arguments, "--dtype", "float8")
+
+
+@pytest.mark.slow
+async def test_launched_workers_run_with_the_engine_flags_given_to_launch() -> None:
+    block_size, kv_cache_mib, max_model_len = 32, 1, 64
+    process = await asyncio.create_subprocess_exec(
+        KVSERVICE, "launch", "--port", "0", "--dtype", "float16", "--block-size", str(block_size),
+        "--kv-cache-mib", str(kv_cache_mib), "--max-model-len", str(max_model_len), "--", "--num-threads", "1",
+        stdout=asyncio.subprocess.PIPE, start_new_session=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = (await asyncio.wait_for(process.stdout.readline(), 180)).decode()
+        assert "proxy listening on " in line, line
+        address = line.split("proxy listening on ")[1].strip()
+        async with KVServiceClient(address) as client:
+            stats = await client.stats()
+            # float16 KV, 32-token blocks and 1 MiB: the block count only these flags give.
+            layout = KVCacheLayout.for_model(load_model_config("tiny"), block_size, torch.float16)
+            expected = (kv_cache_mib << 20) // layout.bytes_per_block
+            assert [w.stats.num_blocks_total for w in stats.workers] == [expected, expected]
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                async for _ in client.generate(list(range(1, max_model_len + 1)), max_tokens=1):
+                    pass
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"maximum length is {max_model_len}" in (error.value.details() or "")
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 60) == 0
+    finally:
+        if process.returncode is None:  # a failed check: launch still stops its workers on SIGTERM
+            process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), 60)
+        await kill_all([process])
