@@ -1,8 +1,9 @@
-"""The client API's bearer token: a server interceptor in front of the Generation service.
+"""The bearer token: a server interceptor in front of every service but health.
 
-Calls to `/kvservice.v1.Generation/*` without `authorization: Bearer <token>` metadata end
-UNAUTHENTICATED before reaching a servicer; health, reflection and the worker-to-worker
-services (guarded by mutual TLS) stay open.
+Calls without `authorization: Bearer <token>` metadata end UNAUTHENTICATED before
+reaching a servicer: the client API on the proxy, and on workers Prefill, Decode,
+ReleaseKV, Stats and PullKV (the proxy and decode workers send the token). Health stays
+open for probes, which carry no token.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from typing import Any
 
 import grpc
 
-from kvservice.v1 import kvservice_pb2 as pb
+from grpc_health.v1 import health
 
-GUARDED_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["Generation"].full_name + "/"
+OPEN_PREFIX = "/" + health.SERVICE_NAME + "/"
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -30,7 +31,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith(GUARDED_PREFIX):
+        if handler is None or handler_call_details.method.startswith(OPEN_PREFIX):
             return handler
         if self._is_authorized(handler_call_details.invocation_metadata or ()):
             return handler

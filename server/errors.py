@@ -22,11 +22,16 @@ class Overloaded(Exception):
     """Admission control: the queue is full."""
 
 
+class PeerNotAllowed(Exception):
+    """A decode request names a prefill worker this decode worker may not dial."""
+
+
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (StagingExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (TransferDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (PeerNotAllowed, grpc.StatusCode.PERMISSION_DENIED),
     (TransferNotFound, grpc.StatusCode.NOT_FOUND),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (NoWorkerAvailable, grpc.StatusCode.UNAVAILABLE),

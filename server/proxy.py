@@ -115,7 +115,9 @@ class ProxyService(StreamingGenerationService):
                     yield response
 
     async def _decode_only(self, decode_worker: WorkerHandle, inner: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        call = decode_worker.stub.Decode(pb.DecodeRequest(request=inner), timeout=self.request_timeout)
+        call = decode_worker.stub.Decode(
+            pb.DecodeRequest(request=inner), timeout=self.request_timeout, metadata=decode_worker.metadata
+        )
         try:
             async for response in call:
                 yield response
@@ -135,9 +137,14 @@ class ProxyService(StreamingGenerationService):
                 kv_transfer_params=pb.KVTransferParams(remote_address=prefill_worker.address, transfer_token=token),
             ),
             timeout=self.request_timeout,
+            metadata=decode_worker.metadata,
         )
         prefill = asyncio.ensure_future(
-            prefill_worker.stub.Prefill(pb.PrefillRequest(request=inner, transfer_token=token), timeout=self.request_timeout)
+            prefill_worker.stub.Prefill(
+                pb.PrefillRequest(request=inner, transfer_token=token),
+                timeout=self.request_timeout,
+                metadata=prefill_worker.metadata,
+            )
         )
         decode_stream = decode_call.__aiter__()
         # When the prefill worker is cut off, the decode worker's pull times out, it
@@ -198,7 +205,9 @@ class ProxyService(StreamingGenerationService):
                 # Nobody will pull this transfer now: free the prefill's staging at once.
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     await prefill_worker.stub.ReleaseKV(
-                        pb.ReleaseKVRequest(request_id=inner.request_id, transfer_token=token), timeout=2.0
+                        pb.ReleaseKVRequest(request_id=inner.request_id, transfer_token=token),
+                        timeout=2.0,
+                        metadata=prefill_worker.metadata,
                     )
 
     def _decode_error(self, worker: WorkerHandle, error: grpc.aio.AioRpcError) -> Exception:
@@ -217,7 +226,7 @@ class ProxyService(StreamingGenerationService):
         async def one(worker: WorkerHandle) -> pb.WorkerStats:
             entry = pb.WorkerStats(address=worker.address, num_outstanding=worker.num_outstanding, is_healthy=worker.is_healthy)
             with contextlib.suppress(grpc.aio.AioRpcError):
-                entry.stats.CopyFrom(await worker.stub.Stats(pb.StatsRequest(), timeout=5))
+                entry.stats.CopyFrom(await worker.stub.Stats(pb.StatsRequest(), timeout=5, metadata=worker.metadata))
             return entry
 
         entries = await asyncio.gather(*(one(w) for w in self.prefill.workers + self.decode.workers))

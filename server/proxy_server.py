@@ -64,8 +64,8 @@ async def serve(args: argparse.Namespace) -> int:
     # The proxy presents the same certificate to its workers as to its clients.
     tls = TLSFiles.from_args(args)
     channel_credentials = tls.channel_credentials()
-    prefill = WorkerPool(args.prefill, channel_credentials)
-    decode = WorkerPool(args.decode, channel_credentials)
+    prefill = WorkerPool(args.prefill, channel_credentials, args.auth_token)
+    decode = WorkerPool(args.decode, channel_credentials, args.auth_token)
     metrics = ServerMetrics("proxy")
     assert metrics.workers_healthy is not None
     metrics.workers_healthy.labels("prefill").set_function(lambda: prefill.num_healthy)

@@ -81,6 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", required=True, choices=ROLES, help="prefill, decode, or both (colocated, no KV transfer)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 lets the OS pick (default: 0)")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 lets the OS pick (default: off)")
+    parser.add_argument(
+        "--kv-peers", nargs="+", default=None, metavar="HOST:PORT",
+        help="decode side: the only prefill workers KV may be pulled from (default: any a request names; "
+        "with --auth-token only authenticated requests name one)",
+    )
     add_engine_arguments(parser)
     add_tls_arguments(parser)
 
@@ -133,7 +138,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         connector = PrefillKVConnector(registry)
     elif args.role == "decode":
         connector = DecodeKVConnector(
-            layout, transfer_timeout=args.kv_transfer_timeout, channel_credentials=tls.channel_credentials()
+            layout, transfer_timeout=args.kv_transfer_timeout, channel_credentials=tls.channel_credentials(),
+            auth_token=args.auth_token,
         )
     engine = await asyncio.to_thread(LLMEngine, args.model, config, connector)
     async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_queued_requests)
@@ -144,17 +150,18 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
     metrics = ServerMetrics(args.role)
     transfer_service: KVTransferService | None = None
     credentials = tls.server_credentials()
+    # Every role checks the bearer token on every RPC but health.
+    interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
     if args.role == "both":
-        # Only a colocated worker serves the client API, so only it checks the bearer token.
-        interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
         server = GrpcServer([SERVICE_NAMES["generation"]], credentials, interceptors)
         pb_grpc.add_GenerationServicer_to_server(ColocatedGenerationService(async_engine, metrics=metrics), server.server)
     elif args.role == "decode":
-        server = GrpcServer([SERVICE_NAMES["worker"]], credentials)
-        pb_grpc.add_WorkerServicer_to_server(DecodeWorkerService(async_engine, metrics=metrics), server.server)
+        server = GrpcServer([SERVICE_NAMES["worker"]], credentials, interceptors)
+        kv_peers = frozenset(args.kv_peers) if args.kv_peers is not None else None
+        pb_grpc.add_WorkerServicer_to_server(DecodeWorkerService(async_engine, metrics=metrics, kv_peers=kv_peers), server.server)
     else:
         assert registry is not None
-        server = GrpcServer([SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], credentials)
+        server = GrpcServer([SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], credentials, interceptors)
         pb_grpc.add_WorkerServicer_to_server(PrefillWorkerService(async_engine, registry, metrics=metrics), server.server)
         transfer_service = KVTransferService(registry)
         server.server.add_generic_rpc_handlers([transfer_service.handler()])

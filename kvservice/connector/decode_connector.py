@@ -24,15 +24,19 @@ import grpc
 import torch
 
 from kvservice.connector.base import KVConnectorBase, KVConnectorWorkerMeta
+from kvservice.connector.channel_cache import ChannelCache
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
 from kvservice.connector.transfer_stats import TransferStats
 from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.request import Request, RequestStatus
 from kvservice.scheduler import SchedulerOutput
+from kvservice.tls import bearer_metadata
 
 REMOTE_ADDRESS = "remote_address"
 TRANSFER_TOKEN = "transfer_token"
+# Channels to distinct prefill workers kept open at once (idle ones past it are closed).
+MAX_CHANNELS = 64
 
 
 @dataclass(slots=True)
@@ -71,6 +75,8 @@ class DecodeKVConnector(KVConnectorBase):
         max_concurrent_pulls: int = 8,
         channel_credentials: grpc.ChannelCredentials | None = None,
         on_load_done: Callable[[], None] | None = None,
+        auth_token: str | None = None,
+        max_channels: int = MAX_CHANNELS,
     ) -> None:
         super().__init__()
         self.layout = layout
@@ -86,7 +92,8 @@ class DecodeKVConnector(KVConnectorBase):
         self._load_error_blocks: set[int] = set()
         self._first_token_ids: dict[str, int] = {}
         self._transfer_loop = TransferLoop()
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelCache(max_channels, channel_credentials, GRPC_OPTIONS)
+        self._metadata = bearer_metadata(auth_token)  # prefill workers want the bearer token too
         self._max_concurrent_pulls = max_concurrent_pulls
         self._pull_slots: asyncio.Semaphore | None = None
 
@@ -149,8 +156,10 @@ class DecodeKVConnector(KVConnectorBase):
         if self._pull_slots is None:
             self._pull_slots = asyncio.Semaphore(self._max_concurrent_pulls)
         async with self._pull_slots:
-            channel = self._channel(spec.remote_address)
-            return await pull_kv(channel, spec, self._kv_caches, self.layout, self.transfer_timeout, self.stats)
+            async with self._channels.use(spec.remote_address) as channel:
+                return await pull_kv(
+                    channel, spec, self._kv_caches, self.layout, self.transfer_timeout, self.stats, self._metadata
+                )
 
     def _on_pull_done(self, spec: LoadSpec, task: asyncio.Task[LoadResult]) -> None:
         """The task has stopped: only now may its blocks be reported (and freed)."""
@@ -172,17 +181,6 @@ class DecodeKVConnector(KVConnectorBase):
     def _notify(self) -> None:
         if self.on_load_done is not None:
             self.on_load_done()
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            options = GRPC_OPTIONS
-            if self.channel_credentials is not None:
-                channel = grpc.aio.secure_channel(address, self.channel_credentials, options=options)
-            else:
-                channel = grpc.aio.insecure_channel(address, options=options)
-            self._channels[address] = channel
-        return channel
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         for request_id in finished_req_ids & self._loading.keys():
@@ -217,8 +215,7 @@ class DecodeKVConnector(KVConnectorBase):
             for task in list(self._tasks.values()):
                 task.cancel()
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
-            for channel in self._channels.values():
-                await channel.close()
+            await self._channels.close()
 
         if not self._transfer_loop.loop.is_closed():
             try:
