@@ -7,7 +7,9 @@ per new load on the connector's own event loop thread; `get_finished` reports lo
 that completed, failed or were cancelled, `get_block_ids_with_load_errors` the blocks
 of failed ones, and the worker meta carries the first token each prefill sampled.
 An aborted load is cancelled and reported only once its task has stopped writing, so
-its blocks are never freed under a write.
+its blocks are never freed under a write. Each prefill worker gets its own
+`max_concurrent_pulls` slots (a dead one cannot hold up pulls from a healthy one), and a
+pull's deadline counts from when it was started, its wait for a slot included.
 """
 
 from __future__ import annotations
@@ -95,7 +97,9 @@ class DecodeKVConnector(KVConnectorBase):
         self._channels = ChannelCache(max_channels, channel_credentials, GRPC_OPTIONS)
         self._metadata = bearer_metadata(auth_token)  # prefill workers want the bearer token too
         self._max_concurrent_pulls = max_concurrent_pulls
-        self._pull_slots: asyncio.Semaphore | None = None
+        # Per prefill worker, while any pull to it is waiting or running (then dropped).
+        self._pull_slots: dict[str, asyncio.Semaphore] = {}
+        self._num_pulls_per_peer: collections.Counter[str] = collections.Counter()
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], layout: KVCacheLayout) -> None:
         assert layout == self.layout, f"engine KV layout {layout} differs from the connector's {self.layout}"
@@ -153,13 +157,33 @@ class DecodeKVConnector(KVConnectorBase):
         task.add_done_callback(lambda t: self._on_pull_done(spec, t))
 
     async def _pull(self, spec: LoadSpec) -> LoadResult:
-        if self._pull_slots is None:
-            self._pull_slots = asyncio.Semaphore(self._max_concurrent_pulls)
-        async with self._pull_slots:
-            async with self._channels.use(spec.remote_address) as channel:
-                return await pull_kv(
-                    channel, spec, self._kv_caches, self.layout, self.transfer_timeout, self.stats, self._metadata
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.transfer_timeout
+        address = spec.remote_address
+        slots = self._pull_slots.setdefault(address, asyncio.Semaphore(self._max_concurrent_pulls))
+        self._num_pulls_per_peer[address] += 1
+        try:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await slots.acquire()
+            except TimeoutError:
+                self.stats.num_failed_transfers += 1
+                return LoadResult(
+                    spec.request_id, None, f"no pull slot for {address} within {self.transfer_timeout:g} s"
                 )
+            try:
+                async with self._channels.use(address) as channel:
+                    return await pull_kv(
+                        channel, spec, self._kv_caches, self.layout, max(0.0, deadline - loop.time()), self.stats,
+                        self._metadata,
+                    )
+            finally:
+                slots.release()
+        finally:
+            self._num_pulls_per_peer[address] -= 1
+            if not self._num_pulls_per_peer[address]:
+                del self._num_pulls_per_peer[address]
+                del self._pull_slots[address]
 
     def _on_pull_done(self, spec: LoadSpec, task: asyncio.Task[LoadResult]) -> None:
         """The task has stopped: only now may its blocks be reported (and freed)."""
