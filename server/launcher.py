@@ -84,7 +84,9 @@ class LocalCluster:
         await self.stop()
 
     async def start(self) -> None:
-        worker = [sys.executable, "-m", "kvservice", "serve", "--model", self.model, *self.worker_args]
+        # Every child drains for as long as `stop` waits for it (after the caller's flags: this wins).
+        grace = ["--grace-period", f"{self.grace_period:g}"]
+        worker = [sys.executable, "-m", "kvservice", "serve", "--model", self.model, *self.worker_args, *grace]
         if self.colocated:
             child = await self._spawn("both", [*worker, "--role", "both", "--port", str(self.port)], self.colocated_cores)
             self.address = child.address
@@ -92,7 +94,7 @@ class LocalCluster:
             spawns = [self._spawn(f"prefill-{i}", [*worker, "--role", "prefill"], self.prefill_cores) for i in range(self.num_prefill)]
             spawns += [self._spawn(f"decode-{i}", [*worker, "--role", "decode"], self.decode_cores) for i in range(self.num_decode)]
             await asyncio.gather(*spawns)
-            proxy_cmd = [sys.executable, "-m", "kvservice", "proxy", "--port", str(self.port), *self.proxy_args]
+            proxy_cmd = [sys.executable, "-m", "kvservice", "proxy", "--port", str(self.port), *self.proxy_args, *grace]
             if self.prefill_addresses:
                 proxy_cmd += ["--prefill", *self.prefill_addresses]
             proxy_cmd += ["--decode", *self.decode_addresses]
@@ -166,6 +168,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="the proxy's port (default: 8000; 0 lets the OS pick)")
     parser.add_argument("--http-port", type=int, default=None, help="the proxy's OpenAI-compatible HTTP API on this port (default: off)")
     parser.add_argument("--metrics-port", type=int, default=None, help="the proxy's Prometheus /metrics on this port; every worker gets one the OS picks (default: off)")
+    parser.add_argument(
+        "--grace-period", type=float, default=30.0,
+        help="seconds every child gets to drain on Ctrl-C / SIGTERM before it is killed (default: 30)",
+    )
     add_tls_arguments(parser)
     parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker")
 
@@ -191,7 +197,7 @@ async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:
         worker_args = [*worker_args, "--metrics-port", "0"]
     cluster = LocalCluster(
         args.model, args.num_prefill, args.num_decode, args.port, worker_args, proxy_args=proxy_args,
-        client_credentials=tls.channel_credentials(),
+        client_credentials=tls.channel_credentials(), grace_period=args.grace_period,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

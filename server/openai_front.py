@@ -83,12 +83,18 @@ class OpenAIFront:
         self.is_serving = is_serving
         self.auth_token = auth_token  # the proxy's --auth-token guards this API too
         self.created = int(time.time())
+        self.is_draining = False
+
+    def start_draining(self) -> None:
+        """The proxy is stopping: /health says so and new completions are refused (503)."""
+        self.is_draining = True
 
     def _is_authorized(self, request: web.Request) -> bool:
         if not self.auth_token:
             return True
-        given = request.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.auth_token}".encode())
+        # aiohttp keeps bytes that are not UTF-8 as surrogates: compare the raw bytes.
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(given, f"Bearer {self.auth_token}".encode())
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -98,6 +104,8 @@ class OpenAIFront:
         return app
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.is_draining:
+            return web.json_response({"status": "unavailable", "detail": "shutting down"}, status=503)
         if self.is_serving():
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "unavailable", "detail": "no healthy decode worker"}, status=503)
@@ -112,6 +120,8 @@ class OpenAIFront:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         if not self._is_authorized(request):
             return _unauthorized()
+        if self.is_draining:
+            return error_response(OpenAIError(503, "the server is shutting down; retry on another"), {})
         request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
         try:
             check_request_id(request_id, REQUEST_ID_HEADER)

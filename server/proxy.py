@@ -130,7 +130,6 @@ class ProxyService(StreamingGenerationService):
         self, prefill_worker: WorkerHandle, decode_worker: WorkerHandle, inner: pb.GenerateRequest
     ) -> AsyncIterator[pb.GenerateResponse]:
         token = secrets.token_bytes(32)
-        is_pulled = False
         decode_call = decode_worker.stub.Decode(
             pb.DecodeRequest(
                 request=inner,
@@ -179,7 +178,6 @@ class ProxyService(StreamingGenerationService):
             skip_first = first is not None
             try:
                 response = await next_decode
-                is_pulled = response is not None  # the decode worker emitted a token: it has the KV
                 while response is not None:
                     if skip_first and response.token_ids:
                         skip_first = False
@@ -201,14 +199,15 @@ class ProxyService(StreamingGenerationService):
                 prefill.cancel()
             with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
                 await prefill
-            if not is_pulled:
-                # Nobody will pull this transfer now: free the prefill's staging at once.
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    await prefill_worker.stub.ReleaseKV(
-                        pb.ReleaseKVRequest(request_id=inner.request_id, transfer_token=token),
-                        timeout=2.0,
-                        metadata=prefill_worker.metadata,
-                    )
+            # Whatever the decode worker did (pulled, recomputed because its pull failed or never
+            # started, or never got this far), nobody pulls this transfer now: free its staging
+            # at once. After a completed pull it is already gone, and this is a no-op.
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await prefill_worker.stub.ReleaseKV(
+                    pb.ReleaseKVRequest(request_id=inner.request_id, transfer_token=token),
+                    timeout=2.0,
+                    metadata=prefill_worker.metadata,
+                )
 
     def _decode_error(self, worker: WorkerHandle, error: grpc.aio.AioRpcError) -> Exception:
         """What a failed decode stream raises: DecodeWorkerLost when the worker is gone

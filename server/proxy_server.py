@@ -80,6 +80,7 @@ async def serve(args: argparse.Namespace) -> int:
     await server.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     ready_line = f"kvservice proxy: listening on {args.host}:{port}"
     runners: list[web.AppRunner] = []
+    front: OpenAIFront | None = None
     try:
         if args.http_port is not None:
             front = OpenAIFront(service, args.served_model_name, lambda: decode.num_healthy > 0, args.auth_token)
@@ -100,16 +101,22 @@ async def serve(args: argparse.Namespace) -> int:
         raise
     monitor = asyncio.create_task(_monitor(server, prefill, decode, args.health_interval))
 
-    async def on_stop() -> None:
-        for runner in runners:  # lets in-flight HTTP requests finish (up to the grace period) while the pools are open
+    async def drain_http(deadline: float) -> None:
+        """Alongside the gRPC drain, within the same grace period: /health turns 503, new
+        requests are refused, in-flight ones finish while the pools are still open."""
+        if front is not None:
+            front.start_draining()
+        for runner in runners:
             await runner.cleanup()
+
+    async def on_stop() -> None:
         monitor.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await monitor
         await prefill.close()
         await decode.close()
 
-    await server.run_until_signalled(args.grace_period, on_stop, ready_line=ready_line)
+    await server.run_until_signalled(args.grace_period, on_stop, ready_line=ready_line, alongside_stop=drain_http)
     return 0
 
 

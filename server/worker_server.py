@@ -149,6 +149,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
 
     metrics = ServerMetrics(args.role)
     transfer_service: KVTransferService | None = None
+    prefill_service: PrefillWorkerService | None = None
     credentials = tls.server_credentials()
     # Every role checks the bearer token on every RPC but health.
     interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
@@ -162,7 +163,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
     else:
         assert registry is not None
         server = GrpcServer([SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], credentials, interceptors)
-        pb_grpc.add_WorkerServicer_to_server(PrefillWorkerService(async_engine, registry, metrics=metrics), server.server)
+        prefill_service = PrefillWorkerService(async_engine, registry, metrics=metrics)
+        pb_grpc.add_WorkerServicer_to_server(prefill_service, server.server)
         transfer_service = KVTransferService(registry)
         server.server.add_generic_rpc_handlers([transfer_service.handler()])
     port = server.bind(args.host, args.port)
@@ -199,7 +201,14 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         if connector is not None:
             connector.shutdown()
 
-    await server.run_until_signalled(args.grace_period, on_stop, ready_line=ready_line, stop=stop)
+    async def serve_staged_pulls(deadline: float) -> None:
+        # Decode workers were promised this KV: refusing their pulls would make them recompute.
+        if prefill_service is not None and async_engine.error is None:
+            await prefill_service.drain()
+
+    await server.run_until_signalled(
+        args.grace_period, on_stop, ready_line=ready_line, stop=stop, before_stop=serve_staged_pulls
+    )
     if async_engine.error is not None:
         print(f"kvservice serve: error: the engine failed: {async_engine.error!r}", file=sys.stderr)
         return 1

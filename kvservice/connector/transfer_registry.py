@@ -160,6 +160,21 @@ class TransferRegistry:
             waiters = self._registration_waiters.pop(request_id, [])
         _wake(waiters)
 
+    async def wait_until_empty(self) -> None:
+        """Return once nothing is staged (pulled, released or expired): a draining worker
+        serves the pulls of what it staged before it stops."""
+        while True:
+            event = asyncio.Event()
+            with self._lock:
+                if not self._transfers:
+                    return
+                self._space_waiters.append((asyncio.get_running_loop(), event))
+            try:
+                await event.wait()  # every release wakes the space waiters
+            finally:
+                with self._lock:
+                    self._space_waiters = [w for w in self._space_waiters if w[1] is not event]
+
     # ------------------------------------------------------------ staging (engine thread)
 
     def get(self, request_id: str) -> StagedTransfer | None:
