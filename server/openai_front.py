@@ -144,8 +144,10 @@ class OpenAIFront:
             # Everything up to the first chunk (validation, routing, the prefill) fails
             # with a proper HTTP status, before a stream is opened.
             first = await anext(responses, None)
-        except Exception as e:
+        except BaseException as e:  # cancelled too (the client hung up): close the request first
             await responses.aclose()
+            if not isinstance(e, Exception):
+                raise
             return error_response(e, headers)
         if stream:
             return await self._stream(request, headers, meta, first, responses, include_usage)

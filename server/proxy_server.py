@@ -87,7 +87,8 @@ async def serve(args: argparse.Namespace) -> int:
             app = front.app()
             app.router.add_get("/metrics", metrics_handler(metrics, None))
             runner, http_port = await start_http(
-                app, args.host, args.http_port, shutdown_timeout=args.grace_period, ssl_context=tls.ssl_context()
+                app, args.host, args.http_port, shutdown_timeout=args.grace_period, ssl_context=tls.ssl_context(),
+                handler_cancellation=True,  # a client that hangs up aborts its request on both workers
             )
             runners.append(runner)
             ready_line += f"; http on {args.host}:{http_port}"
