@@ -82,7 +82,9 @@ class LocalCluster:
         await self.stop()
 
     async def start(self) -> None:
-        worker = [sys.executable, "-m", "kvservice", "serve", "--model", self.model, *self.worker_args]
+        # Every child drains for as long as `stop` waits for it (after the caller's flags: this wins).
+        grace = ["--grace-period", f"{self.grace_period:g}"]
+        worker = [sys.executable, "-m", "kvservice", "serve", "--model", self.model, *self.worker_args, *grace]
         if self.colocated:
             child = await self._spawn("both", [*worker, "--role", "both", "--port", str(self.port)], self.colocated_cores)
             self.address = child.address
@@ -90,7 +92,7 @@ class LocalCluster:
             spawns = [self._spawn(f"prefill-{i}", [*worker, "--role", "prefill"], self.prefill_cores) for i in range(self.num_prefill)]
             spawns += [self._spawn(f"decode-{i}", [*worker, "--role", "decode"], self.decode_cores) for i in range(self.num_decode)]
             await asyncio.gather(*spawns)
-            proxy_cmd = [sys.executable, "-m", "kvservice", "proxy", "--port", str(self.port), *self.proxy_args]
+            proxy_cmd = [sys.executable, "-m", "kvservice", "proxy", "--port", str(self.port), *self.proxy_args, *grace]
             if self.prefill_addresses:
                 proxy_cmd += ["--prefill", *self.prefill_addresses]
             proxy_cmd += ["--decode", *self.decode_addresses]

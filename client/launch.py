@@ -15,12 +15,16 @@ from kvservice.tls import AUTH_TOKEN_ENV, TLSFiles, add_tls_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face model directory (default: tiny)")
+    parser.add_argument("--model", default="tiny", help="'tiny', 'smollm2', a Hugging Face model directory or a GGUF file (default: tiny)")
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers (default: 1)")
     parser.add_argument("--num-decode", type=int, default=1, help="decode workers (default: 1)")
     parser.add_argument("--port", type=int, default=8000, help="the proxy's port (default: 8000; 0 lets the OS pick)")
     parser.add_argument("--http-port", type=int, default=None, help="the proxy's OpenAI-compatible HTTP API on this port (default: off)")
     parser.add_argument("--metrics-port", type=int, default=None, help="the proxy's Prometheus /metrics on this port; every worker gets one the OS picks (default: off)")
+    parser.add_argument(
+        "--grace-period", type=float, default=30.0,
+        help="seconds every child gets to drain on Ctrl-C / SIGTERM before it is killed (default: 30)",
+    )
     add_tls_arguments(parser)
     add_engine_arguments(parser)  # passed to every worker
     parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker")
@@ -49,12 +53,14 @@ async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:
         os.environ[AUTH_TOKEN_ENV] = args.auth_token
     if args.http_port is not None:
         proxy_args += ["--http-port", str(args.http_port), "--model", args.model]
+        if args.max_model_len is not None:
+            proxy_args += ["--max-model-len", str(args.max_model_len)]
     if args.metrics_port is not None:
         proxy_args += ["--metrics-port", str(args.metrics_port)]
         worker_args = [*worker_args, "--metrics-port", "0"]
     cluster = LocalCluster(
         args.model, args.num_prefill, args.num_decode, args.port, worker_args, proxy_args=proxy_args,
-        client_credentials=tls.channel_credentials(),
+        client_credentials=tls.channel_credentials(), grace_period=args.grace_period,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

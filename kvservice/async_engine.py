@@ -3,8 +3,9 @@
 The step loop runs in a thread of its own so the event loop never blocks on a
 forward. Commands (add, abort) reach the thread through a queue and are applied
 between steps; outputs come back through `loop.call_soon_threadsafe`, one batch per
-step. A step with nothing to compute (requests only waiting for remote KV) waits on a
-wake-up event that the connector sets when a transfer finishes, never spinning.
+step. A step that computed nothing (requests waiting for remote KV, or for blocks that
+in-flight pulls hold) waits on a wake-up event that the connector sets when a transfer
+finishes, never spinning.
 
 When a step raises, the engine is dead: every stream, every queued command and every
 later call fails with EngineDeadError, and `wait_failed` returns the error so the
@@ -28,8 +29,8 @@ from kvservice.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Upper bound on an idle wait: transfers report through the wake-up event, so this only
-# bounds how late a lease expiry or a missed notification is noticed.
+# Upper bound on an idle wait: transfers and commands report through the wake-up event,
+# so this only bounds how late a lease expiry or a missed notification is noticed.
 _IDLE_WAIT_S = 0.05
 
 
@@ -191,13 +192,12 @@ class AsyncLLMEngine:
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue
-                queues = self.engine.scheduler.make_stats()
-                computed = queues.num_unfinished_requests > queues.num_waiting_for_remote_kv
                 outputs = self.engine.step()
                 if outputs:
                     self._deliver(outputs)
-                elif not computed:
-                    # Only remote loads in flight: sleep until one reports (or a short bound).
+                elif self.engine.is_last_step_idle:
+                    # Nothing could run: only a finished transfer, a command or freed blocks
+                    # change that. Sleep (releasing the GIL to the threads that do) until then.
                     self._wakeup.wait(_IDLE_WAIT_S)
                     self._wakeup.clear()
         except BaseException as e:  # the loop must report, not vanish

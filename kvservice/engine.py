@@ -95,6 +95,9 @@ class LLMEngine:
         )
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        # The last step computed nothing and preempted nothing: the next one would do the
+        # same until a transfer finishes, a command arrives or blocks come free.
+        self.is_last_step_idle = False
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
 
     # ------------------------------------------------------------ requests
@@ -161,6 +164,7 @@ class LLMEngine:
     def step(self, eager_finalize: bool = False) -> list[RequestOutput]:
         """One step; `eager_finalize` is the speculative benchmark's baseline (see `ModelRunner.execute_model`)."""
         scheduler_output = self.scheduler.schedule()
+        self.is_last_step_idle = scheduler_output.num_scheduled_tokens == 0 and not scheduler_output.preempted_req_ids
         runner_output = self.runner.execute_model(scheduler_output, eager_finalize=eager_finalize)
         core_outputs = self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids, runner_output.kv_connector_output

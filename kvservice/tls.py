@@ -5,7 +5,8 @@ Every process takes the same three flags: `--tls-cert`/`--tls-key` are its own i
 the authority that signs its peers. A server given `--tls-ca` requires and verifies a
 client certificate (mutual TLS); a channel given `--tls-ca` verifies the server against
 it (without it, against the system roots). The bearer token (`--auth-token`, or the
-environment variable `KVSERVICE_AUTH_TOKEN`) guards the client API only.
+environment variable `KVSERVICE_AUTH_TOKEN`) guards every RPC but health, on the proxy
+and on the workers alike; the proxy and decode workers send it to the workers they call.
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ class TLSFiles:
         )
 
 
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata that carries `token` (None: no token, no metadata)."""
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
 def add_tls_arguments(parser: argparse.ArgumentParser, *, with_auth_token: bool = True) -> None:
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="this process's certificate chain (enables TLS; needs --tls-key)")
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
@@ -93,7 +99,8 @@ def add_tls_arguments(parser: argparse.ArgumentParser, *, with_auth_token: bool 
     if with_auth_token:
         parser.add_argument(
             "--auth-token", default=os.environ.get(AUTH_TOKEN_ENV), metavar="TOKEN",
-            help=f"bearer token of the client API (default: ${AUTH_TOKEN_ENV}; unset: no token)",
+            help=f"bearer token required by every RPC but health, and sent to the workers this process calls "
+            f"(default: ${AUTH_TOKEN_ENV}; unset: no token)",
         )
 
 

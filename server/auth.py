@@ -1,9 +1,10 @@
-"""The client API's bearer token: one check, used by the gRPC interceptor in front of the
-Generation service and by the OpenAI-compatible HTTP front.
+"""The bearer token: one check (`BearerToken`), used by a server interceptor in front of
+every gRPC service but health and by the OpenAI-compatible HTTP front.
 
-Calls to `/kvservice.v1.Generation/*` without `authorization: Bearer <token>` metadata end
-UNAUTHENTICATED before reaching a servicer; health, reflection and the worker-to-worker
-services (guarded by mutual TLS) stay open.
+Calls without `authorization: Bearer <token>` metadata end UNAUTHENTICATED before
+reaching a servicer: the client API on the proxy, and on workers Prefill, Decode,
+ReleaseKV, Stats and PullKV (the proxy and decode workers send the token). Health stays
+open for probes, which carry no token.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health
 
-from kvservice.v1 import kvservice_pb2 as pb
-
-GUARDED_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["Generation"].full_name + "/"
+OPEN_PREFIX = "/" + health.SERVICE_NAME + "/"
 
 
 class BearerToken:
@@ -49,7 +49,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith(GUARDED_PREFIX):
+        if handler is None or handler_call_details.method.startswith(OPEN_PREFIX):
             return handler
         if self._is_authorized(handler_call_details.invocation_metadata or ()):
             return handler

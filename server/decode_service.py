@@ -1,8 +1,14 @@
-"""`Worker.Decode` on a decode worker: pull the prompt's KV from its prefill worker, then generate."""
+"""`Worker.Decode` on a decode worker: pull the prompt's KV from its prefill worker, then generate.
+
+The worker dials only the prefill workers it may trust: a plain HOST:PORT (never a
+`unix:` path or another scheme), named by a request that passed the bearer token check,
+and within `--kv-peers` when that allow-list is given.
+"""
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator
 
 import grpc
@@ -11,7 +17,7 @@ from kvservice.async_engine import AsyncLLMEngine
 from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN
 from kvservice.request import check_request_id
 from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
-from kvservice.server.errors import abort_with
+from kvservice.server.errors import PeerNotAllowed, abort_with
 from kvservice.server.generation import stream_responses
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.stats import engine_stats
@@ -20,8 +26,27 @@ from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}")
+_MAX_ADDRESS_CHARS = 256
+# gRPC reads "unix:1234" as the socket path "1234", not host "unix" port 1234.
+_GRPC_SCHEMES = frozenset({"unix", "unix-abstract", "vsock", "ipv4", "ipv6", "dns", "xds", "google-c2p"})
+
+
+def check_kv_peer(address: str, kv_peers: frozenset[str] | None) -> None:
+    """Raise unless this worker may dial `address` for a KV pull."""
+    match = _HOST_PORT.fullmatch(address) if len(address) <= _MAX_ADDRESS_CHARS else None
+    if match is None or match.group(1).lower() in _GRPC_SCHEMES:
+        raise ValueError(f"kv_transfer_params.remote_address: expected HOST:PORT, got {address[:64]!r}")
+    if kv_peers is not None and address not in kv_peers:
+        raise PeerNotAllowed(f"kv_transfer_params.remote_address: {address} is not one of this worker's --kv-peers")
+
+
 class DecodeWorkerService(pb_grpc.WorkerServicer):
-    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics | None = None) -> None:
+    def __init__(
+        self, engine: AsyncLLMEngine, metrics: ServerMetrics | None = None, kv_peers: frozenset[str] | None = None
+    ) -> None:
+        """`kv_peers`: the prefill workers KV may be pulled from; None: any that a request names."""
+        self.kv_peers = kv_peers
         self.engine = engine
         self.metrics = metrics if metrics is not None else ServerMetrics("decode")
 
@@ -37,6 +62,7 @@ class DecodeWorkerService(pb_grpc.WorkerServicer):
                     source = request.kv_transfer_params
                     if not source.remote_address or not source.transfer_token:
                         raise ValueError("kv_transfer_params: remote_address and transfer_token are required")
+                    check_kv_peer(source.remote_address, self.kv_peers)
                     kv_params = {REMOTE_ADDRESS: source.remote_address, TRANSFER_TOKEN: source.transfer_token}
                     logger.info("request_id=%s pulls its KV from %s", inner.request_id, source.remote_address)
                 async for response in stream_responses(self.engine, prompt, params, inner.request_id, kv_params):

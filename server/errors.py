@@ -26,13 +26,23 @@ class Overloaded(Exception):
     """Admission control: the queue is full."""
 
 
+class ShuttingDown(Exception):
+    """The server is draining: it finishes what it has but takes nothing new."""
+
+
+class PeerNotAllowed(Exception):
+    """A decode request names a prefill worker this decode worker may not dial."""
+
+
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (StagingExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (TransferDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (PeerNotAllowed, grpc.StatusCode.PERMISSION_DENIED),
     (TransferNotFound, grpc.StatusCode.NOT_FOUND),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+    (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
     (NoWorkerAvailable, grpc.StatusCode.UNAVAILABLE),
     (RequestFailed, grpc.StatusCode.INTERNAL),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),

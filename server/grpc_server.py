@@ -2,13 +2,17 @@
 bound to a port, stopped gracefully on SIGTERM or SIGINT.
 
 On a signal: health turns NOT_SERVING, the server stops accepting RPCs, in-flight
-ones get `grace` seconds to finish, then the process exits 0.
+ones get `grace` seconds to finish, then the process exits 0. One deadline bounds the
+whole drain: what runs before the server stops accepting (`before_stop`, e.g. a prefill
+worker serving pulls of what it staged) and what drains alongside it (`alongside_stop`,
+e.g. the proxy's HTTP front).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -75,9 +79,12 @@ class GrpcServer:
         on_stop: Callable[[], Awaitable[None]] | None = None,
         ready_line: str | None = None,
         stop: asyncio.Event | None = None,
+        before_stop: Callable[[float], Awaitable[None]] | None = None,
+        alongside_stop: Callable[[float], Awaitable[None]] | None = None,
     ) -> None:
         """Start, print `ready_line` (tests and the launcher wait for it), serve until
-        SIGTERM/SIGINT or until `stop` is set (the server's own fatal error)."""
+        SIGTERM/SIGINT or until `stop` is set (the server's own fatal error). The drain
+        hooks get the drain's deadline (on the loop's clock)."""
         stop = stop if stop is not None else asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -89,8 +96,16 @@ class GrpcServer:
             await stop.wait()
         finally:
             logger.info("stopping: draining in-flight requests for up to %.1f s", grace)
+            deadline = loop.time() + grace
             await self.health.enter_graceful_shutdown()
-            await self.server.stop(grace)
+            if before_stop is not None:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout_at(deadline):
+                        await before_stop(deadline)
+            stopping = [self.server.stop(max(0.0, deadline - loop.time()))]
+            if alongside_stop is not None:
+                stopping.append(alongside_stop(deadline))
+            await asyncio.gather(*stopping)
             if on_stop is not None:
                 await on_stop()
 

@@ -216,13 +216,19 @@ def metrics_app(metrics: ServerMetrics, stats: StatsSource | None = None) -> web
 
 
 async def start_http(
-    app: web.Application, host: str, port: int, shutdown_timeout: float = 5.0, ssl_context: ssl.SSLContext | None = None
+    app: web.Application,
+    host: str,
+    port: int,
+    shutdown_timeout: float = 5.0,
+    ssl_context: ssl.SSLContext | None = None,
+    handler_cancellation: bool = False,
 ) -> tuple[web.AppRunner, int]:
     """Serve `app` on host:port (0: the OS picks; HTTPS with `ssl_context`); returns the
-    runner (`await runner.cleanup()`) and the port."""
+    runner (`await runner.cleanup()`) and the port. With `handler_cancellation`, a client
+    that disconnects cancels its handler (and with it the work done for it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, reuse_port=False)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=handler_cancellation)
     try:
         await runner.setup()
         await web.SockSite(runner, sock, shutdown_timeout=shutdown_timeout, ssl_context=ssl_context).start()

@@ -75,6 +75,11 @@ class OpenAIFront:
         self.tokenizer = tokenizer  # for /tokenize and /detokenize
         self.max_model_len = max_model_len
         self.created = int(time.time())
+        self.is_draining = False
+
+    def start_draining(self) -> None:
+        """The proxy is stopping: /health says so and new completions are refused (503)."""
+        self.is_draining = True
 
     def _is_authorized(self, request: web.Request) -> bool:
         return self.auth_token is None or self.auth_token.matches(request.headers.get("Authorization"))
@@ -91,6 +96,8 @@ class OpenAIFront:
         return app
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.is_draining:
+            return web.json_response({"status": "unavailable", "detail": "shutting down"}, status=503)
         if self.is_serving():
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "unavailable", "detail": "not serving"}, status=503)
@@ -155,6 +162,8 @@ class OpenAIFront:
     ) -> web.StreamResponse:
         if not self._is_authorized(request):
             return _unauthorized()
+        if self.is_draining:
+            return error_response(OpenAIError(503, "the server is shutting down; retry on another"), {})
         request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
         try:
             check_request_id(request_id, REQUEST_ID_HEADER)
@@ -172,8 +181,10 @@ class OpenAIFront:
             # Everything up to the first chunk (validation, routing, the prefill) fails
             # with a proper HTTP status, before a stream is opened.
             first = await anext(responses, None)
-        except Exception as e:
+        except BaseException as e:  # cancelled too (the client hung up): close the request first
             await responses.aclose()
+            if not isinstance(e, Exception):
+                raise
             return error_response(e, headers)
         if parsed.stream:
             return await self._stream(request, headers, meta, kind, first, responses, parsed.include_usage)

@@ -20,7 +20,7 @@ from kvservice.finish_reason import finish_reason_to_proto
 from kvservice.request import check_request_id
 from kvservice.sampling_params import SamplingParams
 from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
-from kvservice.server.errors import RequestFailed, abort_with
+from kvservice.server.errors import RequestFailed, ShuttingDown, abort_with
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.stats import engine_stats
 from kvservice.stop_checker import OutputText
@@ -38,6 +38,13 @@ class PrefillWorkerService(pb_grpc.WorkerServicer):
         self.registry = registry
         self.staging_wait_seconds = staging_wait_seconds
         self.metrics = metrics if metrics is not None else ServerMetrics("prefill")
+        self.is_draining = False
+
+    async def drain(self) -> None:
+        """Take no new prefill; return once every staged transfer has been pulled, released
+        or has expired (the caller bounds the wait by its grace period)."""
+        self.is_draining = True
+        await self.registry.wait_until_empty()
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         inner = request.request
@@ -47,6 +54,8 @@ class PrefillWorkerService(pb_grpc.WorkerServicer):
         try:
             check_request_id(inner.request_id, "request.request_id")
             is_valid_id = True
+            if self.is_draining:
+                raise ShuttingDown("this prefill worker is shutting down; send the request to another")
             with self.metrics.track(inner.request_id, logger) as tracker:
                 if not request.transfer_token:
                     raise ValueError("transfer_token: empty")

@@ -115,7 +115,9 @@ class ProxyService(StreamingGenerationService):
                     yield response
 
     async def _decode_only(self, decode_worker: WorkerHandle, inner: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        call = decode_worker.stub.Decode(pb.DecodeRequest(request=inner), timeout=self.request_timeout)
+        call = decode_worker.stub.Decode(
+            pb.DecodeRequest(request=inner), timeout=self.request_timeout, metadata=decode_worker.metadata
+        )
         try:
             async for response in call:
                 yield response
@@ -128,16 +130,20 @@ class ProxyService(StreamingGenerationService):
         self, prefill_worker: WorkerHandle, decode_worker: WorkerHandle, inner: pb.GenerateRequest
     ) -> AsyncIterator[pb.GenerateResponse]:
         token = secrets.token_bytes(32)
-        is_pulled = False
         decode_call = decode_worker.stub.Decode(
             pb.DecodeRequest(
                 request=inner,
                 kv_transfer_params=pb.KVTransferParams(remote_address=prefill_worker.address, transfer_token=token),
             ),
             timeout=self.request_timeout,
+            metadata=decode_worker.metadata,
         )
         prefill = asyncio.ensure_future(
-            prefill_worker.stub.Prefill(pb.PrefillRequest(request=inner, transfer_token=token), timeout=self.request_timeout)
+            prefill_worker.stub.Prefill(
+                pb.PrefillRequest(request=inner, transfer_token=token),
+                timeout=self.request_timeout,
+                metadata=prefill_worker.metadata,
+            )
         )
         decode_stream = decode_call.__aiter__()
         # When the prefill worker is cut off, the decode worker's pull times out, it
@@ -172,7 +178,6 @@ class ProxyService(StreamingGenerationService):
             skip_first = first is not None
             try:
                 response = await next_decode
-                is_pulled = response is not None  # the decode worker emitted a token: it has the KV
                 while response is not None:
                     if skip_first and response.token_ids:
                         skip_first = False
@@ -194,12 +199,15 @@ class ProxyService(StreamingGenerationService):
                 prefill.cancel()
             with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
                 await prefill
-            if not is_pulled:
-                # Nobody will pull this transfer now: free the prefill's staging at once.
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    await prefill_worker.stub.ReleaseKV(
-                        pb.ReleaseKVRequest(request_id=inner.request_id, transfer_token=token), timeout=2.0
-                    )
+            # Whatever the decode worker did (pulled, recomputed because its pull failed or never
+            # started, or never got this far), nobody pulls this transfer now: free its staging
+            # at once. After a completed pull it is already gone, and this is a no-op.
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await prefill_worker.stub.ReleaseKV(
+                    pb.ReleaseKVRequest(request_id=inner.request_id, transfer_token=token),
+                    timeout=2.0,
+                    metadata=prefill_worker.metadata,
+                )
 
     def _decode_error(self, worker: WorkerHandle, error: grpc.aio.AioRpcError) -> Exception:
         """What a failed decode stream raises: DecodeWorkerLost when the worker is gone
@@ -217,7 +225,7 @@ class ProxyService(StreamingGenerationService):
         async def one(worker: WorkerHandle) -> pb.WorkerStats:
             entry = pb.WorkerStats(address=worker.address, num_outstanding=worker.num_outstanding, is_healthy=worker.is_healthy)
             with contextlib.suppress(grpc.aio.AioRpcError):
-                entry.stats.CopyFrom(await worker.stub.Stats(pb.StatsRequest(), timeout=5))
+                entry.stats.CopyFrom(await worker.stub.Stats(pb.StatsRequest(), timeout=5, metadata=worker.metadata))
             return entry
 
         entries = await asyncio.gather(*(one(w) for w in self.prefill.workers + self.decode.workers))

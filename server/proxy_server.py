@@ -84,8 +84,8 @@ async def serve(args: argparse.Namespace) -> int:
     # The proxy presents the same certificate to its workers as to its clients.
     tls = TLSFiles.from_args(args)
     channel_credentials = tls.channel_credentials()
-    prefill = WorkerPool(args.prefill, channel_credentials)
-    decode = WorkerPool(args.decode, channel_credentials)
+    prefill = WorkerPool(args.prefill, channel_credentials, args.auth_token)
+    decode = WorkerPool(args.decode, channel_credentials, args.auth_token)
     metrics = ServerMetrics("proxy")
     assert metrics.workers_healthy is not None
     metrics.workers_healthy.labels("prefill").set_function(lambda: prefill.num_healthy)
@@ -100,6 +100,7 @@ async def serve(args: argparse.Namespace) -> int:
     await server.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     ready_line = f"kvservice proxy: listening on {args.host}:{port}"
     runners: list[web.AppRunner] = []
+    front: OpenAIFront | None = None
     try:
         if args.http_port is not None:
             front = OpenAIFront(
@@ -108,7 +109,8 @@ async def serve(args: argparse.Namespace) -> int:
             app = front.app()
             app.router.add_get("/metrics", metrics_handler(metrics, None))
             runner, http_port = await start_http(
-                app, args.host, args.http_port, shutdown_timeout=args.grace_period, ssl_context=tls.ssl_context()
+                app, args.host, args.http_port, shutdown_timeout=args.grace_period, ssl_context=tls.ssl_context(),
+                handler_cancellation=True,  # a client that hangs up aborts its request on both workers
             )
             runners.append(runner)
             ready_line += f"; http on {args.host}:{http_port}"
@@ -122,16 +124,22 @@ async def serve(args: argparse.Namespace) -> int:
         raise
     monitor = asyncio.create_task(_monitor(server, prefill, decode, args.health_interval))
 
-    async def on_stop() -> None:
-        for runner in runners:  # lets in-flight HTTP requests finish (up to the grace period) while the pools are open
+    async def drain_http(deadline: float) -> None:
+        """Alongside the gRPC drain, within the same grace period: /health turns 503, new
+        requests are refused, in-flight ones finish while the pools are still open."""
+        if front is not None:
+            front.start_draining()
+        for runner in runners:
             await runner.cleanup()
+
+    async def on_stop() -> None:
         monitor.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await monitor
         await prefill.close()
         await decode.close()
 
-    await server.run_until_signalled(args.grace_period, on_stop, ready_line=ready_line)
+    await server.run_until_signalled(args.grace_period, on_stop, ready_line=ready_line, alongside_stop=drain_http)
     return 0
 
 

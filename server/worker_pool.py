@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
+from kvservice.tls import bearer_metadata
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,8 @@ class WorkerHandle:
     channel: grpc.aio.Channel
     stub: pb_grpc.WorkerStub
     health: health_pb2_grpc.HealthStub
+    # What every call to the worker carries (its bearer token); health checks need none.
+    metadata: tuple[tuple[str, str], ...] | None = None
     num_outstanding: int = 0
     is_healthy: bool = False
     last_error: str = field(default="not checked yet")
@@ -33,7 +36,10 @@ class WorkerHandle:
 class WorkerPool:
     """Workers of one role. `pick` returns the healthy one with the fewest outstanding requests."""
 
-    def __init__(self, addresses: list[str], credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self, addresses: list[str], credentials: grpc.ChannelCredentials | None = None, auth_token: str | None = None
+    ) -> None:
+        metadata = bearer_metadata(auth_token)
         self.workers: list[WorkerHandle] = []
         for address in addresses:
             if credentials is not None:
@@ -41,7 +47,7 @@ class WorkerPool:
             else:
                 channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             self.workers.append(
-                WorkerHandle(address, channel, pb_grpc.WorkerStub(channel), health_pb2_grpc.HealthStub(channel))
+                WorkerHandle(address, channel, pb_grpc.WorkerStub(channel), health_pb2_grpc.HealthStub(channel), metadata)
             )
 
     @property

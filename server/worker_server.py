@@ -69,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 lets the OS pick (default: off)")
     parser.add_argument("--http-port", type=int, default=None, help="--role both: serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...) on this port; 0 lets the OS pick (default: off)")
     parser.add_argument("--served-model-name", default=None, help="the model name the HTTP API answers to (default: the model's own: a GGUF file's general.name, a directory's name)")
+    parser.add_argument(
+        "--kv-peers", nargs="+", default=None, metavar="HOST:PORT",
+        help="decode side: the only prefill workers KV may be pulled from (default: any a request names; "
+        "with --auth-token only authenticated requests name one)",
+    )
     add_engine_arguments(parser)
     add_tls_arguments(parser)
 
@@ -113,7 +118,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         connector = PrefillKVConnector(registry)
     elif args.role == "decode":
         connector = DecodeKVConnector(
-            layout, transfer_timeout=args.kv_transfer_timeout, channel_credentials=tls.channel_credentials()
+            layout, transfer_timeout=args.kv_transfer_timeout, channel_credentials=tls.channel_credentials(),
+            auth_token=args.auth_token,
         )
     engine = await asyncio.to_thread(LLMEngine, args.model, config, connector)
     async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_queued_requests)
@@ -123,21 +129,24 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
 
     metrics = ServerMetrics(args.role)
     transfer_service: KVTransferService | None = None
+    prefill_service: PrefillWorkerService | None = None
     credentials = tls.server_credentials()
     generation: ColocatedGenerationService | None = None
+    # Every role checks the bearer token on every RPC but health.
+    interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
     if args.role == "both":
-        # Only a colocated worker serves the client API, so only it checks the bearer token.
-        interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
         server = GrpcServer([SERVICE_NAMES["generation"]], credentials, interceptors)
         generation = ColocatedGenerationService(async_engine, metrics=metrics)
         pb_grpc.add_GenerationServicer_to_server(generation, server.server)
     elif args.role == "decode":
-        server = GrpcServer([SERVICE_NAMES["worker"]], credentials)
-        pb_grpc.add_WorkerServicer_to_server(DecodeWorkerService(async_engine, metrics=metrics), server.server)
+        server = GrpcServer([SERVICE_NAMES["worker"]], credentials, interceptors)
+        kv_peers = frozenset(args.kv_peers) if args.kv_peers is not None else None
+        pb_grpc.add_WorkerServicer_to_server(DecodeWorkerService(async_engine, metrics=metrics, kv_peers=kv_peers), server.server)
     else:
         assert registry is not None
-        server = GrpcServer([SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], credentials)
-        pb_grpc.add_WorkerServicer_to_server(PrefillWorkerService(async_engine, registry, metrics=metrics), server.server)
+        server = GrpcServer([SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], credentials, interceptors)
+        prefill_service = PrefillWorkerService(async_engine, registry, metrics=metrics)
+        pb_grpc.add_WorkerServicer_to_server(prefill_service, server.server)
         transfer_service = KVTransferService(registry)
         server.server.add_generic_rpc_handlers([transfer_service.handler()])
     port = server.bind(args.host, args.port)
@@ -185,7 +194,14 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         if connector is not None:
             connector.shutdown()
 
-    await server.run_until_signalled(args.grace_period, on_stop, ready_line=ready_line, stop=stop)
+    async def serve_staged_pulls(deadline: float) -> None:
+        # Decode workers were promised this KV: refusing their pulls would make them recompute.
+        if prefill_service is not None and async_engine.error is None:
+            await prefill_service.drain()
+
+    await server.run_until_signalled(
+        args.grace_period, on_stop, ready_line=ready_line, stop=stop, before_stop=serve_staged_pulls
+    )
     if async_engine.error is not None:
         print(f"kvservice serve: error: the engine failed: {async_engine.error!r}", file=sys.stderr)
         return 1

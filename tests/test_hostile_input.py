@@ -9,6 +9,7 @@ tokens must stay under MAX_TOKEN_GAP_S (the refusal never stalls an event loop o
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -185,3 +186,36 @@ async def test_a_bad_request_id_is_refused_fast_everywhere(channels: dict[str, g
     )
     calls["prefill.PullKV"] = lambda: _drain(pull(pb.PullKVRequest(request_id=request_id, transfer_token=token), timeout=30))
     assert_refused(await refused_during_a_stream(channels, calls), "request_id")
+
+
+async def _decode_stats(channels: dict[str, grpc.aio.Channel]) -> pb.StatsResponse:
+    return await pb_grpc.WorkerStub(channels["decode"]).Stats(pb.StatsRequest(), timeout=10)
+
+
+async def _wait_for_decode(channels: dict[str, grpc.aio.Channel], predicate: Callable[[pb.StatsResponse], bool], timeout: float) -> pb.StatsResponse:
+    """Poll the decode worker's Stats until `predicate` holds (its state has no event to wait on)."""
+    deadline = time.monotonic() + timeout
+    while not predicate(stats := await _decode_stats(channels)):
+        assert time.monotonic() < deadline, f"not within {timeout} s: {stats}"
+        await asyncio.sleep(0.05)
+    return stats
+
+
+async def test_a_client_that_hangs_up_on_a_completion_stops_its_generation(
+    cluster: LocalCluster, channels: dict[str, grpc.aio.Channel]
+) -> None:
+    before = await _wait_for_decode(channels, lambda s: s.num_running_requests == 0, 30)
+    host, port = cluster.child("proxy").http_address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = json.dumps({"model": "kvservice", "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "temperature": 0}).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
+    await _wait_for_decode(channels, lambda s: s.num_running_requests == 1, 30)
+    writer.close()  # the client gives up on its non-streaming request
+    await writer.wait_closed()
+    # Thousands of tokens were left to generate: aborted, not run to the end.
+    after = await _wait_for_decode(channels, lambda s: s.num_running_requests == 0, 3)
+    assert after.num_aborted_requests == before.num_aborted_requests + 1
+    assert after.num_finished_requests == before.num_finished_requests
+    await _wait_for_decode(channels, lambda s: s.num_blocks_free == s.num_blocks_total, 10)

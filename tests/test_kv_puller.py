@@ -4,15 +4,20 @@ touches the cache (DESIGN.md: receivers validate everything a peer sends)."""
 
 from __future__ import annotations
 
+import asyncio
+import secrets
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
 import torch
-from pd_pair import BLOCK_SIZE, LAYOUT, PROMPTS, WAIT, bits, drive_decode, pd_pair
+from pd_pair import BLOCK_SIZE, DECODE_CONFIG, DECODE_PARAMS, LAYOUT, MAX_TOKENS, PROMPTS, WAIT, bits, drive_decode, pd_pair
 
 from kvservice.connector import wire
+from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN
+from kvservice.connector.decode_connector import DecodeKVConnector
 from kvservice.connector.kv_puller import LoadSpec, pull_kv
+from kvservice.engine import LLMEngine
 from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.kv_cache_manager import cdiv
 from kvservice.model_loader import TINY_CONFIG
@@ -161,3 +166,69 @@ async def test_first_token_outside_the_vocabulary_is_a_failed_load(fake_prefill:
         assert all(0 <= t < TINY_CONFIG.vocab_size for t in out.token_ids), out.token_ids
         assert out.error is None and out.token_ids == reference[1]
         pair.assert_everything_free()
+
+
+# ---------------------------------------------------------------- per-peer pull slots
+
+
+class _Peer:
+    """A fake prefill worker: its PullKV either never answers (black-holed) or ends at once
+    NOT_FOUND (healthy, but the transfer is gone: the decode side recomputes)."""
+
+    def __init__(self, is_black_hole: bool) -> None:
+        self.is_black_hole = is_black_hole
+        self.num_pulls = 0
+        self.pulled = asyncio.Event()
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "kvservice.v1.KVTransfer", {"PullKV": grpc.unary_stream_rpc_method_handler(self.pull)}
+        )])
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+
+    async def pull(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        self.num_pulls += 1
+        self.pulled.set()
+        if self.is_black_hole:
+            await asyncio.Event().wait()
+        await context.abort(grpc.StatusCode.NOT_FOUND, "no such transfer")
+        yield b""
+
+
+async def test_a_dead_peer_holds_up_neither_other_peers_nor_its_own_deadlines() -> None:
+    """One pull slot per peer, all held by a black-holed prefill worker: a pull from a
+    healthy one starts at once, and a second pull from the dead one ends at its own
+    deadline, counted from its start (the wait for the slot included)."""
+    from kvservice.async_engine import AsyncLLMEngine  # the engine thread drives the loads
+
+    timeout = 3.0
+    dead, healthy = _Peer(is_black_hole=True), _Peer(is_black_hole=False)
+    await dead.server.start()
+    await healthy.server.start()
+    connector = DecodeKVConnector(LAYOUT, transfer_timeout=timeout, max_concurrent_pulls=1)
+    engine = AsyncLLMEngine(LLMEngine("tiny", DECODE_CONFIG, connector))
+    connector.on_load_done = engine.wake
+    engine.start()
+
+    async def finish(request_id: str, peer: _Peer) -> float:
+        started = loop.time()
+        kv = {REMOTE_ADDRESS: peer.address, TRANSFER_TOKEN: secrets.token_bytes(16)}
+        async for out in engine.generate(PROMPTS[2], DECODE_PARAMS, request_id, kv):
+            if out.finished:
+                assert len(out.token_ids) == MAX_TOKENS  # recomputed after the failed load
+        return loop.time() - started
+
+    loop = asyncio.get_running_loop()
+    try:
+        first_dead = asyncio.create_task(finish("dead-1", dead))
+        await asyncio.wait_for(dead.pulled.wait(), WAIT)  # it holds the dead peer's only slot
+        second_dead = asyncio.create_task(finish("dead-2", dead))
+        assert await asyncio.wait_for(finish("healthy", healthy), WAIT) < timeout / 2
+        assert healthy.num_pulls == 1
+        await asyncio.wait_for(first_dead, WAIT)
+        # It waited for the slot until the first gave it up, then had what was left.
+        assert await asyncio.wait_for(second_dead, WAIT) < timeout * 1.5
+    finally:
+        await engine.stop()
+        connector.shutdown()
+        await dead.server.stop(None)
+        await healthy.server.stop(None)

@@ -1,8 +1,9 @@
-"""The proxy in-process, in front of fake workers that misbehave."""
+"""The proxy in-process, in front of fake workers: deadlines, staging release, the HTTP front."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -11,6 +12,8 @@ import pytest
 import pytest_asyncio
 
 from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer
+from kvservice.server.metrics import start_http
+from kvservice.server.openai_front import OpenAIFront
 from kvservice.server.proxy import ProxyService
 from kvservice.server.worker_pool import WorkerPool
 from kvservice.v1 import kvservice_pb2 as pb
@@ -64,3 +67,81 @@ async def test_worker_calls_have_a_deadline(silent_worker: str, has_prefill: boo
     finally:
         await prefill.close()
         await decode.close()
+
+
+# ---------------------------------------------------------------- staging is always released
+
+
+class _RecordingPrefill(pb_grpc.WorkerServicer):
+    """A prefill worker that answers at once and records the ReleaseKVs it gets."""
+
+    def __init__(self) -> None:
+        self.released: list[pb.ReleaseKVRequest] = []
+        self.tokens: list[bytes] = []
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        self.tokens.append(request.transfer_token)
+        return pb.PrefillResponse(request_id=request.request.request_id, first_token_id=7, num_prompt_tokens=3)
+
+    async def ReleaseKV(self, request: pb.ReleaseKVRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseKVResponse:
+        self.released.append(request)
+        return pb.ReleaseKVResponse(was_staged=True)
+
+
+class _RecomputingDecode(pb_grpc.WorkerServicer):
+    """A decode worker that never pulls (as when it recomputed) and streams its tokens."""
+
+    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        rid = request.request.request_id
+        yield pb.GenerateResponse(request_id=rid, token_ids=[7], num_prompt_tokens=3)
+        yield pb.GenerateResponse(request_id=rid, token_ids=[8], num_prompt_tokens=3, finish_reason=pb.FINISH_REASON_LENGTH)
+
+
+@contextlib.asynccontextmanager
+async def _serving(servicer: pb_grpc.WorkerServicer) -> AsyncIterator[str]:
+    server = GrpcServer([SERVICE_NAMES["worker"]])
+    pb_grpc.add_WorkerServicer_to_server(servicer, server.server)
+    port = server.bind("127.0.0.1", 0)
+    await server.server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.server.stop(None)
+
+
+async def test_staging_is_released_when_the_decode_worker_recomputed() -> None:
+    prefill_worker = _RecordingPrefill()
+    async with _serving(prefill_worker) as prefill_address, _serving(_RecomputingDecode()) as decode_address:
+        prefill, decode = WorkerPool([prefill_address]), WorkerPool([decode_address])
+        try:
+            await asyncio.gather(prefill.check_all(5.0), decode.check_all(5.0))
+            service = ProxyService(prefill, decode)
+            request = pb.GenerateRequest(request_id="r-1", token_ids=pb.TokenIds(ids=[1, 2, 3]))
+            token_ids = [t async for response in service.responses(request) for t in response.token_ids]
+        finally:
+            await prefill.close()
+            await decode.close()
+    assert token_ids == [7, 8]
+    assert [(r.request_id, r.transfer_token) for r in prefill_worker.released] == [("r-1", prefill_worker.tokens[0])]
+
+
+# ---------------------------------------------------------------- the HTTP front
+
+
+async def test_a_non_utf8_authorization_header_gets_401() -> None:
+    front = OpenAIFront(ProxyService(WorkerPool([]), WorkerPool([])), "kvservice", lambda: True, auth_token="s3cret")
+    runner, port = await start_http(front.app(), "127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = b'{"prompt": [1], "max_tokens": 1}'
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+            b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), 10)
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        await runner.cleanup()
+    assert status_line.split()[1] == b"401", status_line

@@ -292,6 +292,23 @@ def test_lease_expiry_waits_for_a_pinned_writer() -> None:
     assert registry.pool.bytes_in_use == 0
 
 
+async def test_the_lease_never_expires_under_a_streaming_pull() -> None:
+    """The pull started after the prefill finished and streams its chunks slowly: however
+    long that takes (its own deadline bounds it), it ends with the done frame, not a
+    lease failure; once it has ended the transfer is freed as usual."""
+    registry = make_registry()
+    transfer = registry.register("a", TOKEN, num_tokens=4)
+    _stage_all(registry, transfer, fill=1.0)
+    registry.complete("a", first_token_id=5)
+    changed = registry.start_pull(transfer, TOKEN)
+    chunks, _ = registry.snapshot(transfer, num_sent=0)
+    assert registry.expire(now=time.monotonic() + 10 * LEASE) == []  # the chunks are still on their way
+    rest, state = registry.snapshot(transfer, num_sent=len(chunks))
+    assert (rest, state) == ([], TransferState.COMPLETE), transfer.error
+    registry.end_pull(transfer, changed)
+    assert registry.pool.bytes_in_use == 0 and registry.get("a") is None
+
+
 async def test_rejections_are_forgotten_when_their_lease_runs_out() -> None:
     registry = make_registry()
     registry.reject("a", TOKEN, "refused")

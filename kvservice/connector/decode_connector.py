@@ -7,7 +7,9 @@ per new load on the connector's own event loop thread; `get_finished` reports lo
 that completed, failed or were cancelled, `get_block_ids_with_load_errors` the blocks
 of failed ones, and the worker meta carries the first token each prefill sampled.
 An aborted load is cancelled and reported only once its task has stopped writing, so
-its blocks are never freed under a write.
+its blocks are never freed under a write. Each prefill worker gets its own
+`max_concurrent_pulls` slots (a dead one cannot hold up pulls from a healthy one), and a
+pull's deadline counts from when it was started, its wait for a slot included.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import grpc
 import torch
 
 from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN, KVConnectorBase
+from kvservice.connector.channel_cache import ChannelCache
 from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
 from kvservice.kv_cache import KVCacheLayout
@@ -35,6 +38,10 @@ from kvservice.outputs import (
     SchedulerOutput,
 )
 from kvservice.request import Request, RequestStatus
+from kvservice.tls import bearer_metadata
+
+# Channels to distinct prefill workers kept open at once (idle ones past it are closed).
+MAX_CHANNELS = 64
 
 
 @dataclass(slots=True)
@@ -73,6 +80,8 @@ class DecodeKVConnector(KVConnectorBase):
         max_concurrent_pulls: int = 8,
         channel_credentials: grpc.ChannelCredentials | None = None,
         on_load_done: Callable[[], None] | None = None,
+        auth_token: str | None = None,
+        max_channels: int = MAX_CHANNELS,
     ) -> None:
         super().__init__()
         self.layout = layout
@@ -88,9 +97,12 @@ class DecodeKVConnector(KVConnectorBase):
         self._load_error_blocks: set[int] = set()
         self._first_token_ids: dict[str, int] = {}
         self._transfer_loop = TransferLoop()
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelCache(max_channels, channel_credentials, GRPC_OPTIONS)
+        self._metadata = bearer_metadata(auth_token)  # prefill workers want the bearer token too
         self._max_concurrent_pulls = max_concurrent_pulls
-        self._pull_slots: asyncio.Semaphore | None = None
+        # Per prefill worker, while any pull to it is waiting or running (then dropped).
+        self._pull_slots: dict[str, asyncio.Semaphore] = {}
+        self._num_pulls_per_peer: collections.Counter[str] = collections.Counter()
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], layout: KVCacheLayout) -> None:
         assert layout == self.layout, f"engine KV layout {layout} differs from the connector's {self.layout}"
@@ -149,11 +161,33 @@ class DecodeKVConnector(KVConnectorBase):
         task.add_done_callback(lambda t: self._on_pull_done(spec, t))
 
     async def _pull(self, spec: LoadSpec) -> LoadResult:
-        if self._pull_slots is None:
-            self._pull_slots = asyncio.Semaphore(self._max_concurrent_pulls)
-        async with self._pull_slots:
-            channel = self._channel(spec.remote_address)
-            return await pull_kv(channel, spec, self._kv_caches, self.layout, self.transfer_timeout, self.stats)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.transfer_timeout
+        address = spec.remote_address
+        slots = self._pull_slots.setdefault(address, asyncio.Semaphore(self._max_concurrent_pulls))
+        self._num_pulls_per_peer[address] += 1
+        try:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await slots.acquire()
+            except TimeoutError:
+                self.stats.num_failed_transfers += 1
+                return LoadResult(
+                    spec.request_id, None, f"no pull slot for {address} within {self.transfer_timeout:g} s"
+                )
+            try:
+                async with self._channels.use(address) as channel:
+                    return await pull_kv(
+                        channel, spec, self._kv_caches, self.layout, max(0.0, deadline - loop.time()), self.stats,
+                        self._metadata,
+                    )
+            finally:
+                slots.release()
+        finally:
+            self._num_pulls_per_peer[address] -= 1
+            if not self._num_pulls_per_peer[address]:
+                del self._num_pulls_per_peer[address]
+                del self._pull_slots[address]
 
     def _on_pull_done(self, spec: LoadSpec, task: asyncio.Task[LoadResult]) -> None:
         """The task has stopped: only now may its blocks be reported (and freed)."""
@@ -175,17 +209,6 @@ class DecodeKVConnector(KVConnectorBase):
     def _notify(self) -> None:
         if self.on_load_done is not None:
             self.on_load_done()
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            options = GRPC_OPTIONS
-            if self.channel_credentials is not None:
-                channel = grpc.aio.secure_channel(address, self.channel_credentials, options=options)
-            else:
-                channel = grpc.aio.insecure_channel(address, options=options)
-            self._channels[address] = channel
-        return channel
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         for request_id in finished_req_ids & self._loading.keys():
@@ -223,8 +246,7 @@ class DecodeKVConnector(KVConnectorBase):
             for task in list(self._tasks.values()):
                 task.cancel()
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
-            for channel in self._channels.values():
-                await channel.close()
+            await self._channels.close()
 
         if not self._transfer_loop.loop.is_closed():
             try:

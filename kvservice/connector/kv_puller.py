@@ -47,8 +47,10 @@ async def pull_kv(
     layout: KVCacheLayout,
     timeout: float,
     stats: KVTransferCounters,
+    metadata: tuple[tuple[str, str], ...] | None = None,
 ) -> LoadResult:
-    """Pull one transfer; failures come back as a LoadResult with `error`, never raised."""
+    """Pull one transfer; failures come back as a LoadResult with `error`, never raised.
+    `metadata` goes with the call (the bearer token of a guarded prefill worker)."""
     request = pb.PullKVRequest(
         request_id=spec.request_id,
         transfer_token=spec.transfer_token,
@@ -60,7 +62,7 @@ async def pull_kv(
     )
     call = channel.unary_stream(
         PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=None
-    )(request, timeout=timeout)
+    )(request, timeout=timeout, metadata=metadata)
     num_blocks = len(spec.block_ids)
     device = kv_caches[0].device if kv_caches else torch.device("cpu")
     block_ids = torch.tensor(spec.block_ids, dtype=torch.long, device=device)

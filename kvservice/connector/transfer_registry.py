@@ -77,6 +77,7 @@ class StagedTransfer:
     error: str | None = None
     num_pins: int = 0  # pulls and writers using the buffer; it is released only at zero
     is_pulled: bool = False
+    is_pull_active: bool = False  # a pull is streaming it: the lease cannot expire under it
     is_released: bool = False
     registered_at: float = field(default_factory=time.monotonic)
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=list)
@@ -158,6 +159,21 @@ class TransferRegistry:
                 del self._rejected[next(iter(self._rejected))]
             waiters = self._registration_waiters.pop(request_id, [])
         _wake(waiters)
+
+    async def wait_until_empty(self) -> None:
+        """Return once nothing is staged (pulled, released or expired): a draining worker
+        serves the pulls of what it staged before it stops."""
+        while True:
+            event = asyncio.Event()
+            with self._lock:
+                if not self._transfers:
+                    return
+                self._space_waiters.append((asyncio.get_running_loop(), event))
+            try:
+                await event.wait()  # every release wakes the space waiters
+            finally:
+                with self._lock:
+                    self._space_waiters = [w for w in self._space_waiters if w[1] is not event]
 
     # ------------------------------------------------------------ staging (engine thread)
 
@@ -283,6 +299,7 @@ class TransferRegistry:
             if transfer.is_pulled or transfer.is_released:
                 raise TransferDenied(f"transfer for request_id {transfer.request_id!r} was already pulled")
             transfer.is_pulled = True
+            transfer.is_pull_active = True
             transfer.num_pins += 1
             transfer.lease_deadline = time.monotonic() + self.lease_seconds
             transfer.waiters.append((asyncio.get_running_loop(), event))
@@ -298,6 +315,7 @@ class TransferRegistry:
         """The pull ended (sent everything, failed or was cancelled): the transfer is done with."""
         with self._lock:
             transfer.waiters = [w for w in transfer.waiters if w[1] is not event]
+            transfer.is_pull_active = False
             transfer.num_pins -= 1
             if transfer.state is TransferState.STAGING:
                 transfer.state = TransferState.FAILED
@@ -309,11 +327,15 @@ class TransferRegistry:
     # ------------------------------------------------------------ leases
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Fail transfers whose lease ran out; returns their request ids."""
+        """Fail transfers whose lease ran out, except those a pull is streaming (the pull
+        has a deadline of its own); returns their request ids."""
         now = time.monotonic() if now is None else now
         with self._lock:
             self._rejected = {k: v for k, v in self._rejected.items() if v[2] >= now}
-            expired = [t.request_id for t in self._transfers.values() if t.lease_deadline < now and not t.is_released]
+            expired = [
+                t.request_id for t in self._transfers.values()
+                if t.lease_deadline < now and not t.is_released and not t.is_pull_active
+            ]
         for request_id in expired:
             self.fail(request_id, "lease expired before the decode side pulled the KV")
         return expired
