@@ -18,12 +18,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 import pytest
 import pytest_asyncio
+from conftest import local_cluster
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvservice.client.client import KVServiceClient
+from kvservice.client.cluster import LocalCluster
 from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
 from kvservice.process_env import WORKER_ENV
-from kvservice.server.launcher import LocalCluster
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
@@ -35,7 +36,7 @@ WORKER_ARGS = ["--num-blocks", "64", "--num-threads", "1", "--grace-period", "2"
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster() -> AsyncIterator[LocalCluster]:
-    async with LocalCluster("tiny", worker_args=WORKER_ARGS, proxy_args=["--auth-token", TOKEN], grace_period=2) as c:
+    async with local_cluster("tiny", worker_args=WORKER_ARGS, proxy_args=["--auth-token", TOKEN], grace_period=2) as c:
         yield c
 
 

@@ -21,6 +21,7 @@ import time
 import aiohttp
 import grpc
 import pytest
+from conftest import local_cluster
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvservice.connector import wire
@@ -28,7 +29,6 @@ from kvservice.connector.kv_transfer_service import GRPC_OPTIONS, PULL_KV_METHOD
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.model_loader import load_model_config, resolve_dtype
 from kvservice.process_env import WORKER_ENV
-from kvservice.server.launcher import LocalCluster
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
@@ -92,7 +92,7 @@ async def test_a_stopping_prefill_worker_serves_pulls_of_what_it_staged() -> Non
 
 
 async def test_a_stopping_proxy_refuses_new_http_requests_and_finishes_in_flight_ones() -> None:
-    async with LocalCluster(
+    async with local_cluster(
         "tiny", worker_args=["--num-blocks", "512", "--num-threads", "1"], proxy_args=["--http-port", "0"], grace_period=GRACE_S
     ) as cluster:
         proxy = cluster.child("proxy")
