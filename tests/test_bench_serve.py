@@ -145,8 +145,17 @@ async def test_bench_serve_openai_backend_on_the_http_front(tmp_path: Path, caps
         # Without --stats-target there are no KV figures, and the report says why.
         assert await asyncio.to_thread(bench_serve.main, _serve_args(*common, "--num-prompts", "2")) == 0
         assert "not measured (HTTP has no Stats" in capsys.readouterr().out
+        # Chat: the random ids as text in one user message, rendered with tiny's template on the worker.
+        chat_file = tmp_path / "chat" / "result.json"
+        chat = _serve_args("--backend", "openai-chat", "--base-url", base_url, "--num-prompts", "2", "--random-input-len", "16",
+                           "--random-output-len", "5", "--disable-tqdm", "--result-filename", str(chat_file))
+        assert await asyncio.to_thread(bench_serve.main, chat) == 0
+    chat_result = json.loads(chat_file.read_text())
+    assert chat_result["completed"] == 2 and chat_result["output_lens"] == [5, 5]
+    assert all(n > 16 for n in chat_result["input_lens"])  # the server's count: the template's tokens too
+    assert chat_result["tokenizer_id"] == "tiny"
 
-    (result_file,) = tmp_path.iterdir()
+    (result_file,) = tmp_path.glob("*.json")
     assert re.fullmatch(r"openai-infqps-tiny-\d{8}-\d{6}\.json", result_file.name), result_file.name
     result = json.loads(result_file.read_text())
     assert (result["backend"], result["target"], result["model_id"]) == ("openai", base_url, "tiny")
