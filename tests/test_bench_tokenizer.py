@@ -34,5 +34,5 @@ def test_a_name_that_is_neither_a_preset_nor_a_path_is_refused_naming_the_flag(t
     assert not is_local_tokenizer("meta-llama/Llama-3.1-8B-Instruct")
     with pytest.raises(ValueError, match="^--tokenizer: .*meta-llama"):
         load_tokenizer("meta-llama/Llama-3.1-8B-Instruct")
-    with pytest.raises(ValueError, match="^--tokenizer: .* has no tokenizer.json"):
+    with pytest.raises(ValueError, match="^--tokenizer: .* has no tokenizer"):
         load_tokenizer(str(tmp_path))
