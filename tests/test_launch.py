@@ -9,6 +9,7 @@ import pathlib
 import signal
 import sys
 
+import aiohttp
 import grpc
 import pytest
 import torch
@@ -66,15 +67,19 @@ def test_launch_refuses_an_unknown_dtype() -> None:
 async def test_launched_workers_run_with_the_engine_flags_given_to_launch() -> None:
     block_size, kv_cache_mib, max_model_len = 32, 1, 64
     process = await asyncio.create_subprocess_exec(
-        KVSERVICE, "launch", "--port", "0", "--dtype", "float16", "--block-size", str(block_size),
+        KVSERVICE, "launch", "--port", "0", "--http-port", "0", "--dtype", "float16", "--block-size", str(block_size),
         "--kv-cache-mib", str(kv_cache_mib), "--max-model-len", str(max_model_len), "--", "--num-threads", "1",
         stdout=asyncio.subprocess.PIPE, start_new_session=True,
     )
     try:
         assert process.stdout is not None
-        line = (await asyncio.wait_for(process.stdout.readline(), 180)).decode()
-        assert "proxy listening on " in line, line
-        address = line.split("proxy listening on ")[1].strip()
+        lines = []
+        while not lines or not lines[-1].startswith("Ctrl-C"):  # the last line of launch's banner
+            line = (await asyncio.wait_for(process.stdout.readline(), 180)).decode()
+            assert line, f"launch exited: {lines}"
+            lines.append(line.strip())
+        address = lines[0].split("proxy listening on ")[1]
+        http_address = next(line.split("http ")[1].rstrip(")") for line in lines if line.startswith("proxy"))
         async with KVServiceClient(address) as client:
             stats = await client.stats()
             # float16 KV, 32-token blocks and 1 MiB: the block count only these flags give.
@@ -86,6 +91,8 @@ async def test_launched_workers_run_with_the_engine_flags_given_to_launch() -> N
                     pass
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert f"maximum length is {max_model_len}" in (error.value.details() or "")
+        async with aiohttp.ClientSession() as session, session.get(f"http://{http_address}/v1/models") as response:
+            assert (await response.json())["data"][0]["max_model_len"] == max_model_len
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 60) == 0
     finally:
