@@ -92,12 +92,9 @@ async def openai_chunks(events: AsyncIterator[str]) -> AsyncIterator[StreamedChu
         choices = event.get("choices") or []
         if choices:
             choice = choices[0]
-            delta = choice.get("delta") or {}
-            text = choice.get("text") if "text" in choice else delta.get("content")
-            text = text or ""
-            token_ids = choice.get("token_ids")
-            if token_ids is None:
-                token_ids = delta.get("token_ids")
+            delta = choice.get("delta") or {}  # chat; a completion's choice has `text`
+            text = choice.get("text", delta.get("content")) or ""
+            token_ids = choice.get("token_ids", delta.get("token_ids"))
             num_tokens = len(token_ids) if token_ids is not None else int(bool(text))
             num_counted += num_tokens
             yield StreamedChunk(num_tokens, text, choice.get("finish_reason"))
