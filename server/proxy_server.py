@@ -30,6 +30,7 @@ from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 LIVENESS_SERVICE = "liveness"
+MIN_HEALTH_CHECK_TIMEOUT_S = 2.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,8 +147,11 @@ async def serve(args: argparse.Namespace) -> int:
 async def _monitor(server: GrpcServer, prefill: WorkerPool, decode: WorkerPool, interval: float) -> None:
     """Health-check the workers; the proxy serves while at least one decode worker does."""
     was_serving = None
+    # A dead worker refuses the connection at once; only a live but busy one is slow to
+    # answer, and a short deadline would take it out of rotation under load.
+    timeout = max(interval, MIN_HEALTH_CHECK_TIMEOUT_S)
     while True:
-        await asyncio.gather(prefill.check_all(interval), decode.check_all(interval))
+        await asyncio.gather(prefill.check_all(timeout), decode.check_all(timeout))
         is_serving = decode.num_healthy > 0
         if is_serving != was_serving:
             await server.set_serving(is_serving)
