@@ -48,7 +48,7 @@ ROLES = ("prefill", "decode", "both")
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The worker's flags; the `EngineConfig` knobs come from `kvservice.engine_args` (shared with `launch`)."""
-    parser.add_argument("--model", default="tiny", help="'tiny' (built in) or a Hugging Face model directory (default: tiny)")
+    parser.add_argument("--model", default="tiny", help="'tiny' (built in, random weights), 'smollm2' (SmolLM2-135M-Instruct, installed by make setup), a Hugging Face model directory or a GGUF file (default: tiny)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     engine_args.add_engine_arguments(parser)
     parser.add_argument("--kv-lease-seconds", type=float, default=30.0, help="prefill side: staged KV not pulled within this is freed (default: 30)")

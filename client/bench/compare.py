@@ -99,7 +99,7 @@ def format_compare_table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face model directory (default: tiny)")
+    parser.add_argument("--model", default="tiny", help="'tiny', 'smollm2', a Hugging Face model directory or a GGUF file (default: tiny)")
     add_workload_arguments(
         parser, input_len=1024, output_len=64, num_prompts=32, request_rate=4.0, num_warmups=2, tokenizer_default="--model's",
     )
