@@ -11,11 +11,15 @@ from kvservice.v1 import kvservice_pb2 as pb
 DEFAULT_MAX_TOKENS = 16
 
 
-def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
-    """Absent fields take their defaults; zero is a real value (greedy), never "unset"."""
-    # Counted before anything is converted: a million ids would stall the event loop.
+def check_stop_token_ids_count(sp: pb.SamplingParams) -> None:
+    """Counted before anything converts or copies them: a million ids would stall the event loop."""
     if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(f"sampling_params.stop_token_ids: {len(sp.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS} are allowed")
+
+
+def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
+    """Absent fields take their defaults; zero is a real value (greedy), never "unset"."""
+    check_stop_token_ids_count(sp)
     try:
         return SamplingParams(
             temperature=sp.temperature if sp.HasField("temperature") else 1.0,

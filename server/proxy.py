@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvservice.request import check_request_id
-from kvservice.server.convert import check_prompt_length
+from kvservice.server.convert import check_prompt_length, check_stop_token_ids_count
 from kvservice.server.errors import NoWorkerAvailable
 from kvservice.server.generation import StreamingGenerationService, new_request_id
 from kvservice.server.metrics import ServerMetrics
@@ -66,6 +66,7 @@ class ProxyService(StreamingGenerationService):
         Errors raise (map them with `errors.status_for`); closing the iterator early
         cancels the request on its workers."""
         check_prompt_length(request, self.max_model_len)
+        check_stop_token_ids_count(request.sampling_params)
         if request.request_id:
             check_request_id(request.request_id)
         inner = pb.GenerateRequest()
