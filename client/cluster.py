@@ -3,13 +3,16 @@
 `kvservice launch`, the demo, the benchmarks and the tests all start servers through it: every child
 listens on a port the OS picks and prints it on its ready line; the cluster is ready
 when the proxy's health check says SERVING; stopping sends SIGTERM (graceful drain),
-then SIGKILL to anything still alive after the grace period. No process outlives it.
+then SIGKILL to anything still alive after the grace period. No process outlives it:
+on Linux each child gets SIGTERM from the kernel when its parent dies, even by SIGKILL
+(`PR_SET_PDEATHSIG`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import re
 import signal
@@ -22,6 +25,7 @@ import grpc
 from kvservice.client.client import KVServiceClient
 from kvservice.process_env import WORKER_ENV
 
+_PR_SET_PDEATHSIG = 1
 _READY = re.compile(r"listening on (\S+:\d+)")
 _HTTP = re.compile(r"http on (\S+:\d+)")
 _METRICS = re.compile(r"metrics on (\S+:\d+)")
@@ -102,10 +106,14 @@ class LocalCluster:
 
     async def _spawn(self, name: str, cmd: list[str], cores: Sequence[int] | None) -> ChildProcess:
         env = {**os.environ, **WORKER_ENV}
-        preexec = None
-        if cores is not None:
-            core_set = set(cores)
-            preexec = lambda: os.sched_setaffinity(0, core_set)  # noqa: E731
+        core_set = set(cores) if cores is not None else None
+        parent = os.getpid()
+
+        def preexec() -> None:  # in the child, between fork and exec
+            _die_with_parent(parent)
+            if core_set is not None:
+                os.sched_setaffinity(0, core_set)
+
         process = await asyncio.create_subprocess_exec(
             *cmd, stdout=asyncio.subprocess.PIPE, env=env, preexec_fn=preexec, start_new_session=True
         )
@@ -149,6 +157,17 @@ class LocalCluster:
 
     def child(self, name: str) -> ChildProcess:
         return next(c for c in self.children if c.name == name)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel for SIGTERM when the parent dies (Linux); exit now if it already has."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return  # best effort: the launcher's own stop() still applies
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
 
 
 async def _drain(stream: asyncio.StreamReader) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -67,7 +68,20 @@ async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await cluster.start()
+        # A signal during start-up stops what has started, without waiting for the rest.
+        starting = asyncio.create_task(cluster.start())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait([starting, stopper], return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stopper
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            print("kvservice launch: stopped during start-up", file=sys.stderr)
+            return 1
+        starting.result()
         print(f"kvservice launch: proxy listening on {cluster.address}", flush=True)
         for child in cluster.children:
             extras = "".join(f", {what} {address}" for what, address in (("http", child.http_address), ("metrics", child.metrics_address)) if address)
