@@ -30,8 +30,8 @@ from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS, KVTransferService
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import StagedTransfer, TransferRegistry
-from kvservice.connector.transfer_stats import TransferStats
 from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
+from kvservice.outputs import KVTransferCounters
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
@@ -112,7 +112,7 @@ class Decode:
         self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self.caches = allocate_kv_caches(LAYOUT, NUM_BLOCKS + 2, torch.device("cpu"))
         spec = LoadSpec("r", address, TOKEN, list(range(1, 1 + NUM_BLOCKS)), NUM_TOKENS)
-        self.task = asyncio.create_task(pull_kv(self.channel, spec, self.caches, LAYOUT, PULL_TIMEOUT_S, TransferStats()))
+        self.task = asyncio.create_task(pull_kv(self.channel, spec, self.caches, LAYOUT, PULL_TIMEOUT_S, KVTransferCounters()))
 
     async def result(self) -> LoadResult | None:
         """The pull's result; None when it was cancelled. Never waits past WAIT_S."""
