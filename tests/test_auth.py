@@ -19,7 +19,7 @@ import grpc
 import pytest
 import pytest_asyncio
 from conftest import local_cluster
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2_grpc
 
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
@@ -64,9 +64,9 @@ def worker_calls(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...
         "ReleaseKV": lambda: worker.ReleaseKV(pb.ReleaseKVRequest(request_id="victim", transfer_token=b"t"), timeout=10, metadata=metadata),
         "Stats": lambda: worker.Stats(pb.StatsRequest(), timeout=10, metadata=metadata),
         "PullKV": lambda: _drain(pull(pb.PullKVRequest(request_id="victim", transfer_token=b"t"), timeout=10, metadata=metadata)),
-        "Reflection": lambda: _drain(reflection.ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10, metadata=metadata
-        )),
+        # No request message: the server may refuse before the client could write one, and a
+        # write racing the refusal fails on the client as INTERNAL. Served, this call ends OK.
+        "Reflection": lambda: _drain(reflection.ServerReflectionInfo(iter([]), timeout=10, metadata=metadata)),
     }
 
 

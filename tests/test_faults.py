@@ -30,7 +30,10 @@ from kvservice.v1 import kvservice_pb2 as pb
 pytestmark = [pytest.mark.slow]
 
 BASE_WORKER_ARGS = ("--num-threads", "1", "--kv-cache-mib", "16")
-FAST_PROXY_ARGS = ("--health-interval", "0.2", "--grace-period", "20")
+FAST_PROXY_ARGS = ("--health-interval", "0.2")
+# Every child drains for the cluster's grace period (LocalCluster passes it): long enough for
+# the SIGTERM test's 20 streams of 96 tokens on a loaded 2-core machine.
+GRACE_S = 20.0
 RPC_TIMEOUT = 60.0  # the client deadline: a request that hangs fails the test
 
 
@@ -58,7 +61,7 @@ def cluster(**kwargs: Any) -> contextlib.AbstractAsyncContextManager[LocalCluste
     """A LocalCluster of the tiny model with this module's worker and proxy flags."""
     kwargs.setdefault("worker_args", BASE_WORKER_ARGS)
     kwargs.setdefault("proxy_args", FAST_PROXY_ARGS)
-    return local_cluster("tiny", startup_timeout=60, grace_period=5, **kwargs)
+    return local_cluster("tiny", startup_timeout=60, grace_period=GRACE_S, **kwargs)
 
 
 def kill(c: LocalCluster, name: str) -> None:
