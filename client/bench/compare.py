@@ -21,7 +21,6 @@ import grpc
 
 from kvservice.client.bench.metrics import RequestRecord
 from kvservice.client.bench.serve import (
-    add_workload_arguments,
     result_json,
     result_path,
     run_benchmark_with_args,
@@ -30,6 +29,7 @@ from kvservice.client.bench.serve import (
     write_json,
 )
 from kvservice.client.bench.workload import SampledRequest
+from kvservice.client.bench.workload_args import add_workload_arguments
 from kvservice.client.cluster import LocalCluster
 
 BASELINE, CANDIDATE = "colocated", "disaggregated"
