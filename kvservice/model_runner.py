@@ -22,6 +22,7 @@ from kvservice.draft_proposer import DraftProposer
 from kvservice.input_batch import BatchItem, InputBatch, build_batch
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.model import CausalLM
+from kvservice.paged_attention import load_decode_kernel
 from kvservice.outputs import KVConnectorOutput, ScheduledRequest, SchedulerOutput
 from kvservice.rejection_sampler import verify_draft_tokens
 from kvservice.sampler import Sampler
@@ -52,6 +53,8 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.connector = connector
         self.drafter = drafter
+        if device.type == "cpu":
+            load_decode_kernel()  # at start-up, so no request waits for the build
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, defer_finalize: bool = False, eager_finalize: bool = False
