@@ -55,6 +55,7 @@ class ModelRunner:
         self.drafter = drafter
         if device.type == "cpu":
             load_decode_kernel()  # at start-up, so no request waits for the build
+            model.prepare_for_cpu(batch_hint=16)  # the packed layout suits any row count
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, defer_finalize: bool = False, eager_finalize: bool = False
