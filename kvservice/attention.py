@@ -8,7 +8,7 @@ A step's flat batch holds the decode group first: requests with the same small n
 of new tokens Q (one for plain decoding, 1 + K when verifying K draft tokens), batched
 into one attention call; then one span per prefill chunk. The decode group reads the
 cache in place through its block table with the C++ kernel when it is loaded
-(`kvservice.paged_attention`), else gathers its contexts and attends with matmuls.
+(`kvservice.cpu_kernels`), else gathers its contexts and attends with matmuls.
 `AttentionMetadata` is built once per step and shared by every layer.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvservice.paged_attention import loaded_decode_kernel
+from kvservice.cpu_kernels import kernels_loaded
 
 
 @dataclass(slots=True)
@@ -60,10 +60,10 @@ def paged_attention(
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
     if num_decode:
-        kernel = loaded_decode_kernel() if kv_layer.device.type == "cpu" else None
-        if kernel is not None and meta.decode_block_table is not None and meta.decode_starts is not None:
+        use_kernel = kv_layer.device.type == "cpu" and kernels_loaded()
+        if use_kernel and meta.decode_block_table is not None and meta.decode_starts is not None:
             batch = meta.decode_block_table.shape[0]
-            out[:num_decode] = kernel(
+            out[:num_decode] = torch.ops.kvservice.paged_decode_attention(
                 q[:num_decode].contiguous(), kv_layer, meta.decode_block_table, meta.decode_starts,
                 num_decode // batch, q.shape[-1] ** -0.5,
             )

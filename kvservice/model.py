@@ -10,6 +10,7 @@ is called around each layer: `wait_for_layer_load` before, `save_kv_layer` after
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 
 from kvservice.attention import AttentionMetadata, paged_attention, write_kv
 from kvservice.config import ModelConfig
+from kvservice.cpu_kernels import kernels_loaded
 
 if TYPE_CHECKING:
     from kvservice.connector.base import KVConnectorBase
@@ -105,6 +107,25 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     )
 
 
+@dataclass(slots=True)
+class StepRope:
+    """One step's rotary angles: the positions [T], and per-token cos/sin [T, 1, D] unless fused."""
+
+    positions: torch.Tensor
+    cos_table: torch.Tensor  # float32 [max_positions, head_dim]
+    sin_table: torch.Tensor
+    cos: torch.Tensor | None  # [T, 1, head_dim] in the model's dtype; None with the kernel
+    sin: torch.Tensor | None
+
+    def apply_(self, qkv: torch.Tensor, num_heads: int, head_dim: int) -> None:
+        """Rotate the first `num_heads` heads of qkv [T, (Hq + 2 Hkv) * D] (q's, then k's) in place."""
+        if self.cos is None or self.sin is None:
+            torch.ops.kvservice.rotary_(qkv, self.positions, self.cos_table, self.sin_table, num_heads, head_dim)
+            return
+        x = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+        x.copy_(x * self.cos + _rotate_half(x) * self.sin)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to `max_positions`, looked up per token."""
 
@@ -116,9 +137,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool) -> StepRope:
+        if fused:
+            return StepRope(positions, self.cos, self.sin, None, None)
         # [T, 1, head_dim]: broadcast over heads.
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        cos, sin = self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        return StepRope(positions, self.cos, self.sin, cos, sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -141,21 +165,14 @@ class Attention(nn.Module):
         o_bias = bias and cfg.architecture == "llama"
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: StepRope, kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        rope.apply_(qkv, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
         write_kv(kv_layer, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_layer, meta)
         return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
@@ -227,21 +244,35 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         connector: KVConnectorBase | None = None,
     ) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, h.dtype)
-        for i, layer in enumerate(self.model.layers):
+        h = self.model.embed_tokens(input_ids)  # the residual stream [T, hidden], updated in place
+        fused = h.device.type == "cpu" and kernels_loaded()
+        rope = self.rotary(positions, h.dtype, fused)
+        layers = self.model.layers
+        x = _add_rms_norm_(h, None, layers[0].input_layernorm, fused)
+        for i, layer in enumerate(layers):
             if connector is not None:
                 connector.wait_for_layer_load(i)
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv_caches[i], meta)
+            attn_out = layer.self_attn(x, rope, kv_caches[i], meta)
             if connector is not None:
                 connector.save_kv_layer(i, kv_caches[i], meta)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(h)
+            x = _add_rms_norm_(h, attn_out, layer.post_attention_layernorm, fused)
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x = _add_rms_norm_(h, layer.mlp(x), next_norm, fused)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
+
+
+def _add_rms_norm_(residual: torch.Tensor, x: torch.Tensor | None, norm: RMSNorm, fused: bool) -> torch.Tensor:
+    """residual += x (in place, when given); returns norm(residual)."""
+    if fused:
+        return torch.ops.kvservice.add_rms_norm_(residual, x, norm.weight, norm.eps)
+    if x is not None:
+        residual.add_(x)
+    return norm(residual)
 
 
 def fuse_checkpoint_weights(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:

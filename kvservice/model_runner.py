@@ -22,7 +22,7 @@ from kvservice.draft_proposer import DraftProposer
 from kvservice.input_batch import BatchItem, InputBatch, build_batch
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.model import CausalLM
-from kvservice.paged_attention import load_decode_kernel
+from kvservice.cpu_kernels import load_cpu_kernels
 from kvservice.outputs import KVConnectorOutput, ScheduledRequest, SchedulerOutput
 from kvservice.rejection_sampler import verify_draft_tokens
 from kvservice.sampler import Sampler
@@ -54,7 +54,7 @@ class ModelRunner:
         self.connector = connector
         self.drafter = drafter
         if device.type == "cpu":
-            load_decode_kernel()  # at start-up, so no request waits for the build
+            load_cpu_kernels()  # at start-up, so no request waits for the build
             model.prepare_for_cpu(batch_hint=16)  # the packed layout suits any row count
 
     def execute_model(

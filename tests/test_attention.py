@@ -12,7 +12,7 @@ import torch
 
 from kvservice.attention import AttentionMetadata, paged_attention
 from kvservice.input_batch import BatchItem, build_batch
-from kvservice.paged_attention import load_decode_kernel
+from kvservice.cpu_kernels import load_cpu_kernels
 
 BLOCK_SIZE = 16
 HEAD_DIM = 64
@@ -20,10 +20,9 @@ HEAD_DIM = 64
 
 @pytest.fixture(scope="module")
 def kernel():
-    op = load_decode_kernel()
-    if op is None:
-        pytest.skip("the C++ decode attention kernel did not build here (the PyTorch path serves)")
-    return op
+    if not load_cpu_kernels():
+        pytest.skip("the C++ kernels did not build here (the PyTorch path serves)")
+    return torch.ops.kvservice.paged_decode_attention
 
 
 def _random_case(
@@ -85,7 +84,7 @@ def test_paged_attention_kernel_and_fallback_agree(kernel, dtype: torch.dtype, m
     meta = build_batch(items, BLOCK_SIZE, torch.device("cpu")).attn
     k = v = torch.empty(0)  # decode reads only the cache
     fast = paged_attention(q, k, v, kv_layer, meta)
-    monkeypatch.setattr("kvservice.attention.loaded_decode_kernel", lambda: None)
+    monkeypatch.setattr("kvservice.attention.kernels_loaded", lambda: False)
     slow = paged_attention(q, k, v, kv_layer, meta)
     assert not torch.equal(fast, torch.zeros_like(fast))
     tol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -1,4 +1,5 @@
-"""Matmul weights prepared for the CPU (packed LM head, bfloat16 widened) change no result."""
+"""Matmul weights prepared for the CPU (packed LM head, bfloat16 widened) and the fused
+C++ norm and rotary kernels change no result."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 
 from kvservice import model as model_module
 from kvservice.attention import AttentionMetadata, PrefillSpan
-from kvservice.model import CausalLM, Linear
+from kvservice.cpu_kernels import load_cpu_kernels
+from kvservice.model import CausalLM, Linear, RMSNorm, RotaryEmbedding
 from kvservice.model_loader import TINY_CONFIG, load_model
 
 
@@ -45,3 +47,50 @@ def test_bfloat16_widened_matches_the_bfloat16_matmuls(monkeypatch: pytest.Monke
     # bfloat16 rounding of each layer's output may flip a last bit.
     torch.testing.assert_close(got, expected, atol=0.05, rtol=0.02)
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.fixture(scope="module")
+def kernels() -> None:
+    if not load_cpu_kernels():
+        pytest.skip("the C++ kernels did not build here (the PyTorch path serves)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_and_rotary_match_the_pytorch_formulas(kernels: None, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    residual = torch.randn(37, 96, generator=gen).to(dtype)
+    x = torch.randn(37, 96, generator=gen).to(dtype)
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96, generator=gen) + 0.5)
+    expected_residual = residual + x
+    expected = norm(expected_residual)
+    got = torch.ops.kvservice.add_rms_norm_(residual, x, norm.weight, norm.eps)
+    assert torch.equal(residual, expected_residual)  # the add rounds once, like `+`
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+    rotary = RotaryEmbedding(TINY_CONFIG, 300)  # head_dim 32
+    num_heads, head_dim = 6, TINY_CONFIG.head_dim
+    qkv = torch.randn(37, (num_heads + 2) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 300, (37,), generator=gen)
+    expected_qkv = qkv.clone()
+    rotary(positions, dtype, fused=False).apply_(expected_qkv, num_heads, head_dim)
+    rotary(positions, dtype, fused=True).apply_(qkv, num_heads, head_dim)
+    assert not torch.equal(qkv[:, : head_dim], qkv.new_zeros(37, head_dim))
+    if dtype == torch.float32:
+        assert torch.equal(qkv, expected_qkv)  # same products, same rounding: bit for bit
+    else:
+        torch.testing.assert_close(qkv, expected_qkv, atol=2e-2, rtol=2e-2)
+    assert torch.equal(qkv[:, num_heads * head_dim :], expected_qkv[:, num_heads * head_dim :])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_with_kernels_equals_the_pytorch_path(kernels: None, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    net = load_model("tiny", dtype=dtype).model
+    fast = _logits(net, 29)
+    monkeypatch.setattr(model_module, "kernels_loaded", lambda: False)
+    slow = _logits(net, 29)
+    tol = 1e-5 if dtype == "float32" else 5e-2
+    torch.testing.assert_close(fast, slow, atol=tol, rtol=tol)
+    assert (fast.argmax(-1) == slow.argmax(-1)).float().mean() >= (1.0 if dtype == "float32" else 0.9)

@@ -139,7 +139,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
 
 }  // namespace
 
-TORCH_LIBRARY(kvservice, m) {
+TORCH_LIBRARY_FRAGMENT(kvservice, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_layer, Tensor block_table, Tensor starts, int num_queries, float scale) -> Tensor");
 }
 
