@@ -195,7 +195,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or max(1, torch.get_num_threads()))
     rows = run(args.batch_sizes, args.prompt_len, args.max_tokens, args.repeats, args.model, args.dtype)
-    print(f"model {args.model}, {args.dtype}, {torch.get_num_threads()} threads on both sides; prompts of {args.prompt_len} tokens, {args.max_tokens} new")
+    print(
+        f"model {args.model}, {args.dtype}, {torch.get_num_threads()} threads on both sides;"
+        f" prompts of {args.prompt_len} tokens, {args.max_tokens} new"
+    )
     print(f"{'batch':>5} | {'prefill tok/s kvservice':>24} {'transformers':>13} {'ratio':>6} | {'decode tok/s kvservice':>23} {'transformers':>13} {'ratio':>6}")
     for r in rows:
         print(
