@@ -21,8 +21,11 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "norm_rotary.cpp")]
-# torch caches builds by name and source hash; bump the suffix when an op's schema changes.
-_EXTENSION_NAME = "kvservice_cpu_kernels_v1"
+# torch caches builds by name and source hash; bump the version when an op's schema changes.
+_EXTENSION_VERSION = "v1"
+# Vector ISA flags per torch's own CPU capability check. The capability is part of the
+# extension's name, so a cache shared by different CPUs never loads the wrong build.
+_ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]}
 
 _is_loaded = False
 _tried = False
@@ -44,14 +47,17 @@ def load_cpu_kernels() -> bool:
     if not hasattr(torch.ops.kvservice, "paged_decode_attention"):
         from torch.utils import cpp_extension
 
+        capability = torch.backends.cpu.get_cpu_capability()
+        isa_flags = _ISA_FLAGS.get(capability, [])
+        name = f"kvservice_cpu_kernels_{_EXTENSION_VERSION}_{capability.lower() if isa_flags else 'generic'}"
         start = time.perf_counter()
         log.info("loading the C++ CPU kernels (built once per machine, then cached by torch)")
         try:
             cpp_extension.load(
-                name=_EXTENSION_NAME,
+                name=name,
                 sources=[str(s) for s in _SOURCES],
                 # No FMA contraction: rotary then rounds exactly like the PyTorch formula.
-                extra_cflags=["-O3", "-fopenmp-simd", "-ffp-contract=off"],
+                extra_cflags=["-O3", "-fopenmp-simd", "-ffp-contract=off", *isa_flags],
                 is_python_module=False,
                 verbose=False,
             )
