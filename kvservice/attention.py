@@ -6,7 +6,9 @@ A layer's cache is one tensor `kv_layer` [2, num_blocks, block_size, num_kv_head
 
 A step's flat batch holds the decode group first: requests with the same small number
 of new tokens Q (one for plain decoding, 1 + K when verifying K draft tokens), batched
-into one attention call over their gathered contexts; then one span per prefill chunk.
+into one attention call; then one span per prefill chunk. The decode group reads the
+cache in place through its block table with the C++ kernel when it is loaded
+(`kvservice.cpu_kernels`), else gathers its contexts and attends with matmuls.
 `AttentionMetadata` is built once per step and shared by every layer.
 """
 
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvservice.cpu_kernels import kernels_loaded
 
 
 @dataclass(slots=True)
@@ -37,6 +41,8 @@ class AttentionMetadata:
     decode_context_slots: torch.Tensor | None  # [B, L] context slots, padded
     decode_mask: torch.Tensor | None  # [B, 1, 1, Q, L] True where query q may attend key l
     prefills: list[PrefillSpan]
+    decode_block_table: torch.Tensor | None = None  # [B, max_blocks] int64, for the kernel
+    decode_starts: torch.Tensor | None = None  # [B] int64: position of each request's first query
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -54,8 +60,16 @@ def paged_attention(
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
     if num_decode:
-        assert meta.decode_context_slots is not None and meta.decode_mask is not None
-        out[:num_decode] = _decode_attention(q[:num_decode], flat, meta.decode_context_slots, meta.decode_mask)
+        use_kernel = kv_layer.device.type == "cpu" and kernels_loaded()
+        if use_kernel and meta.decode_block_table is not None and meta.decode_starts is not None:
+            batch = meta.decode_block_table.shape[0]
+            out[:num_decode] = torch.ops.kvservice.paged_decode_attention(
+                q[:num_decode].contiguous(), kv_layer, meta.decode_block_table, meta.decode_starts,
+                num_decode // batch, q.shape[-1] ** -0.5,
+            )
+        else:
+            assert meta.decode_context_slots is not None and meta.decode_mask is not None
+            out[:num_decode] = _decode_attention(q[:num_decode], flat, meta.decode_context_slots, meta.decode_mask)
     for span in meta.prefills:
         q_s = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, Dh]
         if span.context_slots is None:

@@ -61,13 +61,14 @@ def build_batch(items: list[BatchItem], block_size: int, device: torch.device) -
     pos = torch.tensor(positions, dtype=torch.long)
     slot_mapping = torch.tensor(token_blocks, dtype=torch.long) * bs + pos % bs
 
-    decode_slots = decode_mask = None
+    decode_slots = decode_mask = decode_table = decode_starts = None
     if group:
         starts = torch.tensor([items[i].start for i in group])
         max_len = int(starts.max()) + group_q
         max_blocks = cdiv(max_len, bs)
-        table = torch.tensor([(items[i].block_ids + [0] * max_blocks)[:max_blocks] for i in group], dtype=torch.long)
-        decode_slots = (table[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :max_len]  # [B, L]
+        decode_table = torch.tensor([(items[i].block_ids + [0] * max_blocks)[:max_blocks] for i in group], dtype=torch.long)
+        decode_starts = starts
+        decode_slots = (decode_table[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :max_len]  # [B, L]
         # Query q of request b sits at position start_b + q and sees keys at positions <= it.
         query_pos = starts[:, None] + torch.arange(group_q)[None, :]  # [B, Q]
         decode_mask = (torch.arange(max_len)[None, None, :] <= query_pos[:, :, None])[:, None, None]  # [B,1,1,Q,L]
@@ -92,5 +93,7 @@ def build_batch(items: list[BatchItem], block_size: int, device: torch.device) -
         decode_context_slots=None if decode_slots is None else decode_slots.to(device),
         decode_mask=None if decode_mask is None else decode_mask.to(device),
         prefills=spans,
+        decode_block_table=None if decode_table is None else decode_table.to(device),
+        decode_starts=None if decode_starts is None else decode_starts.to(device),
     )
     return InputBatch(torch.tensor(token_ids, dtype=torch.long, device=device), pos.to(device), attn, ends)

@@ -3,13 +3,17 @@
 Module names mirror Hugging Face's, except that q/k/v and gate/up are fused into one
 matmul each (`fuse_checkpoint_weights` maps a checkpoint's state dict onto them).
 The forward takes a flat batch of tokens ([T]) from many requests; attention reads
-and writes the paged cache through `AttentionMetadata`. A KV connector, when given,
-is called around each layer: `wait_for_layer_load` before, `save_kv_layer` after.
+and writes the paged cache through `AttentionMetadata`. On CPU, when the C++ kernels
+are loaded (`kvservice.cpu_kernels`), the residual add + RMSNorm and the rotary
+embedding run as one call each; the PyTorch formulas here are the fallback.
+A KV connector, when given, is called around each layer: `wait_for_layer_load`
+before, `save_kv_layer` after.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,9 +21,60 @@ from torch import nn
 
 from kvservice.attention import AttentionMetadata, paged_attention, write_kv
 from kvservice.config import ModelConfig
+from kvservice.cpu_kernels import kernels_loaded
 
 if TYPE_CHECKING:
     from kvservice.connector.base import KVConnectorBase
+
+
+def has_native_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16/AMX) through oneDNN."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported"):
+        return False
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _can_pack_weights() -> bool:
+    """oneDNN's prepacked linear (the ops inductor's CPU freezing uses) is in this torch build."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose matmul may use a copy of the weight prepared once for the CPU.
+
+    `prepare` sets `compute_weight`: the weight widened to float32 (bfloat16 models on a
+    CPU without bfloat16 matmuls, where torch's emulated bfloat16 GEMM is 4-15x slower
+    than float32; the products of bfloat16 values are exact in float32 and both
+    accumulate in float32), and/or packed once in oneDNN's blocked layout (the LM head:
+    16 x 576 x 49152 on one core, ~40 -> ~22 ms). The parameter itself stays as loaded;
+    call `prepare` again if it changes.
+    """
+
+    compute_weight: torch.Tensor | None = None
+    compute_bias: torch.Tensor | None = None
+    is_packed: bool = False
+
+    def prepare(self, widen: bool, pack: bool, batch_hint: int) -> None:
+        weight = self.weight.detach().float() if widen else self.weight.detach()
+        bias = None if self.bias is None else (self.bias.detach().float() if widen else self.bias.detach())
+        if pack:
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        self.compute_weight, self.compute_bias, self.is_packed = weight, bias, pack
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.compute_weight
+        if weight is None:
+            return nn.functional.linear(x, self.weight, self.bias)
+        x_in = x.to(weight.dtype)
+        if self.is_packed:
+            y = torch.ops.mkldnn._linear_pointwise(x_in, weight, self.compute_bias, "none", [], "")
+        else:
+            y = nn.functional.linear(x_in, weight, self.compute_bias)
+        return y.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -67,6 +122,25 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     )
 
 
+@dataclass(slots=True)
+class StepRope:
+    """One step's rotary angles: the positions [T], and per-token cos/sin [T, 1, D] unless fused."""
+
+    positions: torch.Tensor
+    cos_table: torch.Tensor  # float32 [max_positions, head_dim]
+    sin_table: torch.Tensor
+    cos: torch.Tensor | None  # [T, 1, head_dim] in the model's dtype; None with the kernel
+    sin: torch.Tensor | None
+
+    def apply_(self, qkv: torch.Tensor, num_heads: int, head_dim: int) -> None:
+        """Rotate the first `num_heads` heads of qkv [T, (Hq + 2 Hkv) * D] (q's, then k's) in place."""
+        if self.cos is None or self.sin is None:
+            torch.ops.kvservice.rotary_(qkv, self.positions, self.cos_table, self.sin_table, num_heads, head_dim)
+            return
+        x = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+        x.copy_(x * self.cos + _rotate_half(x) * self.sin)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to `max_positions`, looked up per token."""
 
@@ -78,9 +152,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool) -> StepRope:
+        if fused:
+            return StepRope(positions, self.cos, self.sin, None, None)
         # [T, 1, head_dim]: broadcast over heads.
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        cos, sin = self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        return StepRope(positions, self.cos, self.sin, cos, sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -98,26 +175,19 @@ class Attention(nn.Module):
         # q, k and v in one matmul (the loader concatenates the checkpoint's three).
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         # Llama's attention_bias covers o_proj too; Qwen2's biases stop at q/k/v.
         o_bias = bias and cfg.architecture == "llama"
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: StepRope, kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        rope.apply_(qkv, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
         write_kv(kv_layer, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_layer, meta)
         return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
@@ -127,8 +197,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         # gate and up in one matmul (the loader concatenates the checkpoint's two).
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -159,10 +229,26 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderStack(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg, max_positions)
+
+    @torch.inference_mode()
+    def prepare_for_cpu(self, batch_hint: int) -> None:
+        """Prepare matmul weights for this CPU (see `Linear`); `batch_hint`: typical rows per matmul.
+
+        float32: the LM head is packed; packing the other layers measured no gain.
+        bfloat16 without hardware support: every layer computes with a float32 copy of
+        its weight (memory: +4 bytes a parameter, for a 2.7x faster decode step).
+        """
+        dtype = self.model.embed_tokens.weight.dtype
+        if dtype not in (torch.float32, torch.bfloat16) or not _can_pack_weights():
+            return
+        widen = dtype == torch.bfloat16 and not has_native_bf16_matmul()
+        for name, module in self.named_modules():
+            if isinstance(module, Linear) and (widen or name == "lm_head"):
+                module.prepare(widen, pack=name == "lm_head", batch_hint=batch_hint)
 
     @torch.inference_mode()
     def forward(
@@ -173,21 +259,35 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         connector: KVConnectorBase | None = None,
     ) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, h.dtype)
-        for i, layer in enumerate(self.model.layers):
+        h = self.model.embed_tokens(input_ids)  # the residual stream [T, hidden], updated in place
+        fused = h.device.type == "cpu" and kernels_loaded()
+        rope = self.rotary(positions, h.dtype, fused)
+        layers = self.model.layers
+        x = _add_rms_norm_(h, None, layers[0].input_layernorm, fused)
+        for i, layer in enumerate(layers):
             if connector is not None:
                 connector.wait_for_layer_load(i)
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv_caches[i], meta)
+            attn_out = layer.self_attn(x, rope, kv_caches[i], meta)
             if connector is not None:
                 connector.save_kv_layer(i, kv_caches[i], meta)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(h)
+            x = _add_rms_norm_(h, attn_out, layer.post_attention_layernorm, fused)
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x = _add_rms_norm_(h, layer.mlp(x), next_norm, fused)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
+
+
+def _add_rms_norm_(residual: torch.Tensor, x: torch.Tensor | None, norm: RMSNorm, fused: bool) -> torch.Tensor:
+    """residual += x (in place, when given); returns norm(residual)."""
+    if fused:
+        return torch.ops.kvservice.add_rms_norm_(residual, x, norm.weight, norm.eps)
+    if x is not None:
+        residual.add_(x)
+    return norm(residual)
 
 
 def fuse_checkpoint_weights(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ from kvservice.connector.lifecycle import (
     kv_connector_no_forward,
     maybe_get_kv_connector_output,
 )
+from kvservice.cpu_kernels import load_cpu_kernels
 from kvservice.draft_proposer import DraftProposer
 from kvservice.input_batch import BatchItem, InputBatch, build_batch
 from kvservice.kv_cache import KVCacheLayout
@@ -52,6 +53,9 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.connector = connector
         self.drafter = drafter
+        if device.type == "cpu":
+            load_cpu_kernels()  # at start-up, so no request waits for the build
+            model.prepare_for_cpu(batch_hint=16)  # the packed layout suits any row count
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, defer_finalize: bool = False, eager_finalize: bool = False

@@ -1,7 +1,9 @@
 """`kvservice bench engine`: prefill and decode tokens/s, kvservice vs transformers' generate.
 
-Same random model (float32 Llama: hidden 256, 4 layers, 4 heads, 2 KV heads,
-intermediate 688, vocabulary 32000), same prompts, same run; greedy.
+Same weights, same dtype, same prompts (token ids), same thread count, same run; greedy.
+`--model` takes anything `load_model` accepts, or one of `RANDOM_SHAPES`: a random Llama
+of that shape saved as a Hugging Face directory for the run (no real weights needed).
+transformers gets the engine's own loaded weights, so both sides run the same model.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvservice.config import EngineConfig
+from kvservice.config import EngineConfig, ModelConfig
 from kvservice.engine import LLMEngine
+from kvservice.model import CausalLM
 from kvservice.sampling_params import SamplingParams
 
 BENCH_MODEL = dict(
@@ -30,6 +33,21 @@ BENCH_MODEL = dict(
     initializer_range=0.2,
     tie_word_embeddings=False,
 )
+# SmolLM2-135M's shape (the `smollm2` preset's), with random weights.
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    initializer_range=0.2,
+    tie_word_embeddings=True,
+)
+RANDOM_SHAPES: dict[str, dict] = {"random-smollm2": SMOLLM2_SHAPE, "random-small": BENCH_MODEL}
 
 
 @dataclass(slots=True)
@@ -53,11 +71,51 @@ class EngineBenchRow:
         return self.kvservice.decode_tokens_per_s / self.transformers.decode_tokens_per_s
 
 
-def save_bench_model(path: pathlib.Path) -> None:
+def save_bench_model(path: pathlib.Path, shape: dict | None = None) -> None:
+    """A random Llama of `shape` (default `BENCH_MODEL`) as a Hugging Face directory at `path`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**BENCH_MODEL)).save_pretrained(path)
+    LlamaForCausalLM(LlamaConfig(**(shape or BENCH_MODEL))).save_pretrained(path)
+
+
+def reference_model(model: CausalLM, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' model for the same architecture, holding a copy of `model`'s weights."""
+    import transformers
+
+    cfg: ModelConfig = model.config
+    names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[cfg.architecture]
+    hf_config = getattr(transformers, f"{names}Config")(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        **({"attention_bias": cfg.attention_bias} if cfg.architecture == "llama" else {}),
+    )
+    hf = getattr(transformers, f"{names}ForCausalLM")(hf_config)
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if ".qkv_proj." in name:
+            for proj, part in zip(("q", "k", "v"), tensor.split([q, kv, kv])):
+                state[name.replace("qkv_proj", f"{proj}_proj")] = part.clone()
+        elif ".gate_up_proj." in name:
+            for proj, part in zip(("gate", "up"), tensor.chunk(2)):
+                state[name.replace("gate_up_proj", f"{proj}_proj")] = part.clone()
+        elif not name.startswith("rotary."):
+            state[name] = tensor.clone()
+    result = hf.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    assert not missing and not result.unexpected_keys, (missing, result.unexpected_keys)
+    return hf.to(dtype).eval()
 
 
 def bench_kvservice(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> Throughput:
@@ -88,18 +146,21 @@ def bench_transformers(model: torch.nn.Module, prompts: list[list[int]], max_tok
     return Throughput(ids.numel() / prefill_s, len(prompts) * (max_tokens - 1) / decode_s)
 
 
-def run(batch_sizes: list[int], prompt_len: int, max_tokens: int, repeats: int) -> list[EngineBenchRow]:
-    from transformers import LlamaForCausalLM
-
+def run(
+    batch_sizes: list[int], prompt_len: int, max_tokens: int, repeats: int, model: str = "random-small", dtype: str = "float32"
+) -> list[EngineBenchRow]:
     with tempfile.TemporaryDirectory() as tmp:
-        path = pathlib.Path(tmp)
-        save_bench_model(path)
-        hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        engine = LLMEngine(str(path), EngineConfig(dtype="float32", max_num_seqs=max(batch_sizes), num_blocks=1024))
+        if model in RANDOM_SHAPES:
+            save_bench_model(pathlib.Path(tmp), RANDOM_SHAPES[model])
+            model = tmp
+        num_blocks = max(batch_sizes) * -(-(prompt_len + max_tokens) // 16) + 16
+        engine = LLMEngine(model, EngineConfig(dtype=dtype, max_num_seqs=max(batch_sizes), num_blocks=num_blocks))
+        hf = reference_model(engine.loaded.model, engine.loaded.dtype)
+        vocab_size = engine.model_config.vocab_size
         gen = torch.Generator().manual_seed(0)
         rows = []
         for batch in batch_sizes:
-            prompts = [torch.randint(0, BENCH_MODEL["vocab_size"], (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+            prompts = [torch.randint(0, vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
             bench_kvservice(engine, prompts, 4)  # warm-up
             bench_transformers(hf, prompts, 4)
             best_kv = best_hf = None
@@ -114,16 +175,30 @@ def run(batch_sizes: list[int], prompt_len: int, max_tokens: int, repeats: int) 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default="random-smollm2",
+        help="what `kvservice serve --model` accepts (tiny, a model directory, ...), or a random model: "
+        f"{', '.join(RANDOM_SHAPES)} (default: random-smollm2, SmolLM2-135M's shape)",
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV cache (default: float32)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="batch sizes to measure (default: 1 16)")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (default: 32)")
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default: 128)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side; the best is kept (default: 3)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads, the same for both sides (default: torch's default)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
 def main(args: argparse.Namespace) -> int:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    rows = run(args.batch_sizes, args.prompt_len, args.max_tokens, args.repeats)
+    torch.set_num_threads(args.threads or max(1, torch.get_num_threads()))
+    rows = run(args.batch_sizes, args.prompt_len, args.max_tokens, args.repeats, args.model, args.dtype)
+    print(
+        f"model {args.model}, {args.dtype}, {torch.get_num_threads()} threads on both sides;"
+        f" prompts of {args.prompt_len} tokens, {args.max_tokens} new"
+    )
     print(f"{'batch':>5} | {'prefill tok/s kvservice':>24} {'transformers':>13} {'ratio':>6} | {'decode tok/s kvservice':>23} {'transformers':>13} {'ratio':>6}")
     for r in rows:
         print(

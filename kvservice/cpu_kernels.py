@@ -1,0 +1,70 @@
+"""The C++ CPU kernels (`csrc/*.cpp`), built on first use; PyTorch code is the fallback.
+
+- `paged_decode_attention`: decode attention reading K/V in place through the block table.
+- `add_rms_norm_`, `rotary_`: the residual add + RMSNorm, and rotary in place, one call each.
+
+`load_cpu_kernels()` compiles the extension once per machine (torch's extension cache,
+~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) and loads it. It returns False when
+the build fails or `KVSERVICE_KERNELS=torch` asks for the pure-PyTorch path; callers
+then keep their PyTorch formulas, which the tests compare the kernels against.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "norm_rotary.cpp")]
+# torch caches builds by name and source hash; bump the version when an op's schema changes.
+_EXTENSION_VERSION = "v1"
+# Vector ISA flags per torch's own CPU capability check. The capability is part of the
+# extension's name, so a cache shared by different CPUs never loads the wrong build.
+_ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]}
+
+_is_loaded = False
+_tried = False
+
+
+def kernels_loaded() -> bool:
+    """Whether `load_cpu_kernels` has loaded the ops in this process; never builds."""
+    return _is_loaded
+
+
+def load_cpu_kernels() -> bool:
+    """Build (first call on a machine) and load the ops; False means: use the PyTorch path."""
+    global _is_loaded, _tried
+    if _tried:
+        return _is_loaded
+    _tried = True
+    if os.environ.get("KVSERVICE_KERNELS", "") == "torch":
+        return False
+    if not hasattr(torch.ops.kvservice, "paged_decode_attention"):
+        from torch.utils import cpp_extension
+
+        capability = torch.backends.cpu.get_cpu_capability()
+        isa_flags = _ISA_FLAGS.get(capability, [])
+        name = f"kvservice_cpu_kernels_{_EXTENSION_VERSION}_{capability.lower() if isa_flags else 'generic'}"
+        start = time.perf_counter()
+        log.info("loading the C++ CPU kernels (built once per machine, then cached by torch)")
+        try:
+            cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in _SOURCES],
+                # No FMA contraction: rotary then rounds exactly like the PyTorch formula.
+                extra_cflags=["-O3", "-fopenmp-simd", "-ffp-contract=off", *isa_flags],
+                is_python_module=False,
+                verbose=False,
+            )
+        except Exception as e:  # no compiler, no ninja, a read-only cache...: the fallback still works
+            first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+            log.warning("C++ CPU kernels unavailable, using the PyTorch path: %s", first_line)
+            return False
+        log.info("C++ CPU kernels ready in %.1f s", time.perf_counter() - start)
+    _is_loaded = True
+    return True

@@ -1,0 +1,119 @@
+// Fused RMSNorm (with the residual add) and in-place rotary embedding for the decoder.
+//
+// Registered as torch.ops.kvservice.add_rms_norm_ and torch.ops.kvservice.rotary_;
+// kvservice/cpu_kernels.py builds them on first use, and kvservice/model.py keeps the
+// PyTorch formulas as the fallback. Both round like the reference: RMSNorm normalises
+// in float32, rounds to the model's dtype, then scales; rotary products are not fused
+// into FMAs (built with -ffp-contract=off), so float32 results are bit-identical.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace {
+
+// residual [T, H] += x (when x is defined), rounded to the dtype; returns
+// weight * dtype(residual * rsqrt(mean(residual^2) + eps)) as a new [T, H] tensor.
+at::Tensor add_rms_norm_(at::Tensor residual, const c10::optional<at::Tensor>& x, const at::Tensor& weight,
+                         double eps) {
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "residual must be a contiguous [T, H] tensor");
+  const bool has_x = x.has_value() && x->defined();
+  if (has_x) {
+    TORCH_CHECK(x->sizes() == residual.sizes() && x->is_contiguous() && x->scalar_type() == residual.scalar_type(),
+                "x must match residual");
+  }
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == residual.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == residual.scalar_type(),
+              "weight must be a [H] tensor of residual's dtype");
+  const int64_t rows = residual.size(0), hidden = residual.size(1);
+  auto out = at::empty_like(residual);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "add_rms_norm_", [&] {
+    scalar_t* r = residual.data_ptr<scalar_t>();
+    const scalar_t* xs = has_x ? x->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        scalar_t* rr = r + t * hidden;
+        if (xs != nullptr) {
+          const scalar_t* xr = xs + t * hidden;
+          for (int64_t i = 0; i < hidden; ++i) rr[i] = static_cast<scalar_t>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+        }
+        double sum = 0.0;
+        for (int64_t i = 0; i < hidden; ++i) {
+          const float v = static_cast<float>(rr[i]);
+          sum += static_cast<double>(v) * v;
+        }
+        const float inv = 1.f / std::sqrt(static_cast<float>(sum / hidden) + static_cast<float>(eps));
+        scalar_t* orow = o + t * hidden;
+        for (int64_t i = 0; i < hidden; ++i) {
+          const scalar_t normed = static_cast<scalar_t>(static_cast<float>(rr[i]) * inv);
+          orow[i] = static_cast<scalar_t>(static_cast<float>(w[i]) * static_cast<float>(normed));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// qkv [T, (Hq + 2 Hkv) * D]: rotates the first `num_heads` heads (q's and k's) in place by
+// the angles of `positions` [T]; cos_table, sin_table: float32 [max_positions, D].
+void rotary_(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
+             int64_t num_heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be a [T, width] tensor with contiguous rows");
+  TORCH_CHECK(num_heads * head_dim <= qkv.size(1) && head_dim % 2 == 0, "num_heads * head_dim exceeds qkv's width");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.size(0) == qkv.size(0),
+              "positions must be a contiguous [T] int64 tensor");
+  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
+                  cos_table.is_contiguous() && sin_table.is_contiguous() && cos_table.size(1) == head_dim,
+              "cos/sin tables must be contiguous float32 [max_positions, D]");
+  const int64_t rows = qkv.size(0), row_stride = qkv.stride(0), half = head_dim / 2;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cos_ptr = cos_table.data_ptr<float>();
+  const float* sin_ptr = sin_table.data_ptr<float>();
+  for (int64_t t = 0; t < rows; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_table.size(0), "position ", pos[t], " outside the rotary table");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_", [&] {
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        // The reference multiplies in the model's dtype: round the angles to it first.
+        const float* c = cos_ptr + pos[t] * head_dim;
+        const float* s = sin_ptr + pos[t] * head_dim;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          scalar_t* x = base + t * row_stride + h * head_dim;
+          for (int64_t d = 0; d < half; ++d) {
+            const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[d + half]);
+            const float c1 = static_cast<float>(static_cast<scalar_t>(c[d]));
+            const float s1 = static_cast<float>(static_cast<scalar_t>(s[d]));
+            const float c2 = static_cast<float>(static_cast<scalar_t>(c[d + half]));
+            const float s2 = static_cast<float>(static_cast<scalar_t>(s[d + half]));
+            // x * cos + rotate_half(x) * sin, where rotate_half(x) = [-x2, x1].
+            const float a1 = static_cast<float>(static_cast<scalar_t>(x1 * c1));
+            const float b1 = static_cast<float>(static_cast<scalar_t>(-x2 * s1));
+            const float a2 = static_cast<float>(static_cast<scalar_t>(x2 * c2));
+            const float b2 = static_cast<float>(static_cast<scalar_t>(x1 * s2));
+            x[d] = static_cast<scalar_t>(a1 + b1);
+            x[d + half] = static_cast<scalar_t>(a2 + b2);
+          }
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvservice, m) {
+  m.def("add_rms_norm_(Tensor(a!) residual, Tensor? x, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_(Tensor(a!) qkv, Tensor positions, Tensor cos_table, Tensor sin_table, int num_heads, int head_dim) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvservice, CPU, m) {
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("rotary_", &rotary_);
+}

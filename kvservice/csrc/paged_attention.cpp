@@ -1,0 +1,146 @@
+// Decode attention that reads K/V straight out of the paged cache (no gather).
+//
+// Registered as torch.ops.kvservice.paged_decode_attention; kvservice/paged_attention.py
+// builds it on first use and falls back to PyTorch when the build fails.
+//
+// q:           [B * Q, Hq, D]   B requests of Q queries each (request-major)
+// kv_layer:    [2, num_blocks, block_size, Hkv, D]   K then V, contiguous
+// block_table: [B, max_blocks] int64
+// starts:      [B] int64   position of each request's first query; query i of
+//                          request b sees keys at positions <= starts[b] + i
+// returns      [B * Q, Hq, D], softmax(q k^T * scale) v accumulated in float32
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename scalar_t>
+void decode_one(const scalar_t* q, const scalar_t* kv, const int64_t* table, int64_t start, int64_t num_queries,
+                int64_t group, int64_t head, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                int64_t block_size, int64_t v_offset, float scale, scalar_t* out, std::vector<float>& scores,
+                std::vector<float>& qf, std::vector<float>& acc) {
+  // One request, one KV head: the `group` query heads that share it, for each query.
+  const int64_t rows = group * num_queries;
+  const int64_t context = start + num_queries;  // keys visible to the last query
+  scores.assign(rows * context, -std::numeric_limits<float>::infinity());
+  qf.resize(rows * head_dim);
+  acc.assign(rows * head_dim, 0.f);
+  for (int64_t i = 0; i < num_queries; ++i) {
+    for (int64_t g = 0; g < group; ++g) {
+      const scalar_t* src = q + (i * num_heads + head * group + g) * head_dim;
+      float* dst = qf.data() + (g * num_queries + i) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+    }
+  }
+  const int64_t token_stride = num_kv_heads * head_dim;
+  for (int64_t p = 0; p < context; ++p) {
+    const int64_t slot = table[p / block_size] * block_size + p % block_size;
+    const scalar_t* k = kv + slot * token_stride + head * head_dim;
+    const int64_t first = std::max<int64_t>(0, p - start);  // queries before it cannot see p
+    for (int64_t g = 0; g < group; ++g) {
+      for (int64_t i = first; i < num_queries; ++i) {
+        const float* qr = qf.data() + (g * num_queries + i) * head_dim;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * static_cast<float>(k[d]);
+        scores[(g * num_queries + i) * context + p] = dot;
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores.data() + r * context;
+    const int64_t visible = start + (r % num_queries) + 1;
+    float max_score = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < visible; ++p) max_score = std::max(max_score, s[p]);
+    float total = 0.f;
+    for (int64_t p = 0; p < visible; ++p) {
+      s[p] = std::exp(s[p] - max_score);
+      total += s[p];
+    }
+    const float inv = 1.f / total;
+    for (int64_t p = 0; p < visible; ++p) s[p] *= inv;
+    for (int64_t p = visible; p < context; ++p) s[p] = 0.f;
+  }
+  for (int64_t p = 0; p < context; ++p) {
+    const int64_t slot = table[p / block_size] * block_size + p % block_size;
+    const scalar_t* v = kv + v_offset + slot * token_stride + head * head_dim;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float w = scores[r * context + p];
+      if (w == 0.f) continue;
+      float* a = acc.data() + r * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += w * static_cast<float>(v[d]);
+    }
+  }
+  for (int64_t i = 0; i < num_queries; ++i) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* src = acc.data() + (g * num_queries + i) * head_dim;
+      scalar_t* dst = out + (i * num_heads + head * group + g) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(src[d]);
+    }
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_table,
+                                  const at::Tensor& starts, int64_t num_queries, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B * Q, Hq, D] tensor");
+  TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(0) == 2 && kv_layer.is_contiguous(),
+              "kv_layer must be a contiguous [2, num_blocks, block_size, Hkv, D] tensor");
+  TORCH_CHECK(kv_layer.scalar_type() == q.scalar_type(), "q and kv_layer must share a dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2,
+              "block_table must be a contiguous [B, max_blocks] int64 tensor");
+  TORCH_CHECK(starts.scalar_type() == at::kLong && starts.is_contiguous() && starts.dim() == 1,
+              "starts must be a contiguous [B] int64 tensor");
+  const int64_t batch = block_table.size(0);
+  TORCH_CHECK(starts.size(0) == batch && q.size(0) == batch * num_queries, "q, block_table and starts disagree on B");
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = kv_layer.size(2), num_kv_heads = kv_layer.size(3);
+  TORCH_CHECK(kv_layer.size(4) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_table.size(1);
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* start_ptr = starts.data_ptr<int64_t>();
+  const int64_t num_blocks = kv_layer.size(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t context = start_ptr[b] + num_queries;
+    TORCH_CHECK(start_ptr[b] >= 0 && context <= max_blocks * block_size, "a request's context runs past its block table");
+    for (int64_t j = 0; j < (context + block_size - 1) / block_size; ++j) {
+      const int64_t block = table[b * max_blocks + j];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " outside the cache");
+    }
+  }
+  const int64_t v_offset = kv_layer.stride(0);
+  auto out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+    const scalar_t* kv_ptr = kv_layer.data_ptr<scalar_t>();
+    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, qf, acc;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+        const int64_t offset = b * num_queries * num_heads * head_dim;
+        decode_one<scalar_t>(q_ptr + offset, kv_ptr, table + b * max_blocks, start_ptr[b], num_queries, group, h,
+                             num_heads, num_kv_heads, head_dim, block_size, v_offset, static_cast<float>(scale),
+                             out_ptr + offset, scores, qf, acc);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvservice, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor kv_layer, Tensor block_table, Tensor starts, int num_queries, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvservice, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

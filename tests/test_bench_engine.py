@@ -1,0 +1,34 @@
+"""`kvservice bench engine` compares like with like: transformers gets the engine's own weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvservice import LLM, SamplingParams
+from kvservice.client.bench.engine import reference_model, run
+
+
+@pytest.mark.parametrize("model", ["tiny", "random-small"])
+def test_reference_model_generates_what_the_engine_generates(model: str, tmp_path) -> None:
+    if model == "random-small":
+        from kvservice.client.bench.engine import BENCH_MODEL, save_bench_model
+
+        save_bench_model(tmp_path, {**BENCH_MODEL, "num_hidden_layers": 2, "tie_word_embeddings": True})
+        model = str(tmp_path)
+    llm = LLM(model, num_blocks=32)
+    hf = reference_model(llm.engine.loaded.model, torch.float32)
+    prompts = [[5, 17, 42, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+        assert out.token_ids == ref[0, len(prompt) :].tolist()
+    assert len({tuple(o.token_ids) for o in outputs}) == len(prompts)
+
+
+def test_bench_engine_reports_both_sides() -> None:
+    [row] = run([2], prompt_len=4, max_tokens=3, repeats=1, model="tiny")
+    assert row.batch_size == 2
+    for side in (row.kvservice, row.transformers):
+        assert side.prefill_tokens_per_s > 0 and side.decode_tokens_per_s > 0
