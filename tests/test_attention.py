@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvservice.attention import AttentionMetadata, paged_attention
-from kvservice.input_batch import BatchItem, build_batch
 from kvservice.cpu_kernels import load_cpu_kernels
+from kvservice.input_batch import BatchItem, build_batch
 
 BLOCK_SIZE = 16
 HEAD_DIM = 64
