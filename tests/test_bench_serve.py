@@ -18,6 +18,7 @@ from conftest import local_cluster
 from kvservice.client.bench import serve as bench_serve
 from kvservice.client.bench.compare import format_compare_table, plan_cores
 from kvservice.client.bench.metrics import KVTransferTotals, kv_transfer_report_lines
+from kvservice.client.bench.workload_args import DEFAULT_VOCAB_SIZE
 from kvservice.tokenizer import ByteTokenizer
 from kvservice.v1 import kvservice_pb2 as pb
 
@@ -244,7 +245,7 @@ async def test_bench_serve_openai_chat_backend_on_a_vllm_like_server(
         assert await asyncio.to_thread(bench_serve.main, args) == 0
 
     assert len(server.bodies) == 3 and server.authorizations == ["Bearer sk-test"] * 3
-    expected_prompts = bench_serve.random_requests(3, 12, 5, 0.0, bench_serve.DEFAULT_VOCAB_SIZE, 0)
+    expected_prompts = bench_serve.random_requests(3, 12, 5, 0.0, DEFAULT_VOCAB_SIZE, 0)
     for body, request in zip(server.bodies, expected_prompts):
         # The served model's tokenizer ('tiny', from /v1/models) turned the random ids into text.
         assert body["messages"] == [{"role": "user", "content": ByteTokenizer().decode(request.prompt_token_ids or [])}]
