@@ -25,11 +25,12 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
+from pd_pair import ObservedRegistry
 
 from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS, KVTransferService
 from kvservice.connector.staging import StagingPool
-from kvservice.connector.transfer_registry import StagedTransfer, TransferRegistry
+from kvservice.connector.transfer_registry import StagedTransfer
 from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.outputs import KVTransferCounters
 
@@ -49,24 +50,11 @@ STATES = ["unregistered", "staging", "complete", "pulling"]
 FAULTS = ["client_abort", "kill_prefill", "kill_decode", "dropped_stream", "lease_expiry", "late_duplicate_completion"]
 
 
-class _Registry(TransferRegistry):
-    """Tells the test when a pull has claimed its transfer."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.pull_started = asyncio.Event()
-
-    def start_pull(self, transfer: StagedTransfer, token: bytes) -> asyncio.Event:
-        changed = super().start_pull(transfer, token)
-        self.pull_started.set()
-        return changed
-
-
 @dataclass
 class Prefill:
     """The prefill side in this process: registry, PullKV server, and the engine's staging."""
 
-    registry: _Registry
+    registry: ObservedRegistry
     server: grpc.aio.Server
     address: str
     expected: list[torch.Tensor]  # per layer [2, NUM_BLOCKS, block_size, kv_heads, head_dim]
@@ -92,7 +80,7 @@ class Prefill:
 
 @pytest_asyncio.fixture
 async def prefill() -> AsyncIterator[Prefill]:
-    registry = _Registry(StagingPool(16 * LAYOUT.bytes_per_block), LAYOUT, lease_seconds=LEASE_S)
+    registry = ObservedRegistry(StagingPool(16 * LAYOUT.bytes_per_block), LAYOUT, lease_seconds=LEASE_S)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     server.add_generic_rpc_handlers([KVTransferService(registry, registration_timeout=REGISTRATION_TIMEOUT_S).handler()])
     port = server.add_insecure_port("127.0.0.1:0")

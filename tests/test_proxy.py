@@ -38,14 +38,8 @@ class _SilentWorker(pb_grpc.WorkerServicer):
 
 @pytest_asyncio.fixture
 async def silent_worker() -> AsyncIterator[str]:
-    server = GrpcServer([SERVICE_NAMES["worker"]])
-    pb_grpc.add_WorkerServicer_to_server(_SilentWorker(), server.server)
-    port = server.bind("127.0.0.1", 0)
-    await server.server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.server.stop(None)
+    async with _serving(_SilentWorker()) as address:
+        yield address
 
 
 @pytest.mark.parametrize("has_prefill", [False, True], ids=["decode-only", "disaggregated"])
