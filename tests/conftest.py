@@ -19,7 +19,9 @@ from hf_models import save_random_model
 from kvservice import LLM, SamplingParams
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
-from kvservice.model_loader import smollm2_path
+from kvservice.connector import wire
+from kvservice.kv_cache import KVCacheLayout
+from kvservice.model_loader import load_model_config, resolve_dtype, smollm2_path
 from kvservice.v1 import kvservice_pb2 as pb
 
 T = TypeVar("T")
@@ -211,3 +213,13 @@ def smollm2_hf_model(smollm2_file: pathlib.Path) -> Any:
 def smollm2_llm(smollm2_file: pathlib.Path) -> LLM:
     """kvservice on SmolLM2 in float32, loaded once per test session."""
     return LLM("smollm2", dtype="float32")
+
+
+def tiny_pull_request(block_size: int, request_id: str, token: bytes) -> pb.PullKVRequest:
+    """A PullKV request in the `tiny` model's KV layout, as a decode worker with `--block-size` sends it."""
+    config = load_model_config("tiny")
+    layout = KVCacheLayout.for_model(config, block_size, resolve_dtype("auto", config))
+    return pb.PullKVRequest(
+        request_id=request_id, transfer_token=token, num_layers=layout.num_layers, block_size=layout.block_size,
+        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=wire.dtype_name(layout.dtype),
+    )

@@ -16,14 +16,11 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import pytest_asyncio
-from conftest import local_cluster
+from conftest import local_cluster, tiny_pull_request
 
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
-from kvservice.connector import wire
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS, PULL_KV_METHOD
-from kvservice.kv_cache import KVCacheLayout
-from kvservice.model_loader import load_model_config, resolve_dtype
 from kvservice.tls import TLSFiles
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
@@ -179,15 +176,6 @@ async def test_worker_refuses_plaintext_and_rogue_peers(cluster: LocalCluster, p
 # ---------------------------------------------------------------- KV pulls
 
 
-def _pull_request(request_id: str, token: bytes) -> pb.PullKVRequest:
-    config = load_model_config("tiny")
-    layout = KVCacheLayout.for_model(config, BLOCK_SIZE, resolve_dtype("auto", config))
-    return pb.PullKVRequest(
-        request_id=request_id, transfer_token=token, num_layers=layout.num_layers, block_size=layout.block_size,
-        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=wire.dtype_name(layout.dtype),
-    )
-
-
 async def _pull(channel: grpc.aio.Channel, request: pb.PullKVRequest, timeout: float) -> tuple[list[bytes], grpc.StatusCode]:
     """Every frame the prefill worker sends, and the call's final code."""
     call = channel.unary_stream(PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=None)(
@@ -207,7 +195,7 @@ async def test_kv_pull_needs_the_transfer_token(cluster: LocalCluster, pki: dict
     address = cluster.prefill_addresses[0]
     async with grpc.aio.secure_channel(address, pki["client"].channel_credentials(), options=GRPC_OPTIONS) as channel:
         # Never registered: refused (or left to its registration deadline), never data.
-        frames, code = await _pull(channel, _pull_request(secrets.token_hex(8), secrets.token_bytes(16)), timeout=3)
+        frames, code = await _pull(channel, tiny_pull_request(BLOCK_SIZE, secrets.token_hex(8), secrets.token_bytes(16)), timeout=3)
         assert frames == [] and code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
         request_id, token = f"sec-{secrets.token_hex(4)}", secrets.token_bytes(16)
@@ -217,13 +205,13 @@ async def test_kv_pull_needs_the_transfer_token(cluster: LocalCluster, pki: dict
         )
         await pb_grpc.WorkerStub(channel).Prefill(prefill, timeout=60)
         for wrong in (secrets.token_bytes(16), b"", token[:-1]):
-            frames, code = await _pull(channel, _pull_request(request_id, wrong), timeout=10)
+            frames, code = await _pull(channel, tiny_pull_request(BLOCK_SIZE, request_id, wrong), timeout=10)
             assert (frames, code) == ([], grpc.StatusCode.PERMISSION_DENIED)
         # The right token gets the KV (the transfer was there all along), once.
-        frames, code = await _pull(channel, _pull_request(request_id, token), timeout=30)
+        frames, code = await _pull(channel, tiny_pull_request(BLOCK_SIZE, request_id, token), timeout=30)
         assert code is grpc.StatusCode.OK and len(frames) > 1
         # Pulled once, released: a replay gets nothing (refused, or left waiting for a new registration).
-        frames, code = await _pull(channel, _pull_request(request_id, token), timeout=3)
+        frames, code = await _pull(channel, tiny_pull_request(BLOCK_SIZE, request_id, token), timeout=3)
         assert frames == [] and code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 

@@ -21,13 +21,11 @@ import time
 import aiohttp
 import grpc
 import pytest
-from conftest import local_cluster
+from conftest import local_cluster, tiny_pull_request
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvservice.connector import wire
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS, PULL_KV_METHOD
-from kvservice.kv_cache import KVCacheLayout
-from kvservice.model_loader import load_model_config, resolve_dtype
 from kvservice.process_env import WORKER_ENV
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
@@ -36,15 +34,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(180)]
 
 GRACE_S = 30.0  # long: every wait below must end well before it
 BLOCK_SIZE = 16
-
-
-def _pull_request(request_id: str, token: bytes) -> pb.PullKVRequest:
-    config = load_model_config("tiny")
-    layout = KVCacheLayout.for_model(config, BLOCK_SIZE, resolve_dtype("auto", config))
-    return pb.PullKVRequest(
-        request_id=request_id, transfer_token=token, num_layers=layout.num_layers, block_size=layout.block_size,
-        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=wire.dtype_name(layout.dtype),
-    )
 
 
 async def _not_serving(channel: grpc.aio.Channel, watch: grpc.aio.UnaryStreamCall) -> None:
@@ -80,7 +69,7 @@ async def test_a_stopping_prefill_worker_serves_pulls_of_what_it_staged() -> Non
             assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
 
             pull = channel.unary_stream(PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=None)
-            frames = [frame async for frame in pull(_pull_request("staged", token), timeout=30)]
+            frames = [frame async for frame in pull(tiny_pull_request(BLOCK_SIZE, "staged", token), timeout=30)]
         assert wire.decode_frame(frames[-1]).done is not None, "the pull ended without its done frame"
         started = time.monotonic()
         assert await asyncio.wait_for(process.wait(), GRACE_S) == 0
