@@ -180,6 +180,8 @@ class EngineConfig:
     # Speculative decoding: a draft model (same vocabulary) proposes tokens the target verifies.
     draft_model: str | None = None
     num_speculative_tokens: int = 0
+    # Automatic prefix caching: full blocks are kept, keyed by their tokens, and shared.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

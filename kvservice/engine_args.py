@@ -35,6 +35,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> list[argparse.Actio
             "decode and colocated workers use it, a prefill worker ignores it (decode workers recompute the draft's KV)",
         ),
         group.add_argument("--num-speculative-tokens", type=int, default=0, help="draft tokens proposed per step (default: 0, off)"),
+        group.add_argument(
+            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+            help="keep full KV blocks keyed by their tokens and reuse them for prompts that share a prefix "
+            "(a decode worker then pulls only the blocks it lacks) (default: on)",
+        ),
     ]
 
 
@@ -53,6 +58,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_load_failure_policy=args.kv_load_failure_policy,
         draft_model=args.draft_model,
         num_speculative_tokens=args.num_speculative_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 
@@ -61,6 +67,10 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     argv: list[str] = []
     for action in add_engine_arguments(argparse.ArgumentParser(add_help=False)):
         value = getattr(args, action.dest)
-        if value != action.default:
+        if value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(action.option_strings[0] if value else action.option_strings[1])
+        else:
             argv += [action.option_strings[0], str(value)]
     return argv

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvservice/v1/kvservice.proto\x12\x0ckvservice.v1\"\xf4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"w\n\nChatPrompt\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.kvservice.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xcd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.kvservice.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.kvservice.v1.ChatPromptH\x00\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.kvservice.v1.SamplingParamsB\x08\n\x06prompt\"\x95\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.kvservice.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\"\x95\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.kvservice.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\"\x0e\n\x0cStatsRequest\"\xe0\x01\n\x0fKVTransferStats\x12\x15\n\rnum_transfers\x18\x01 \x01(\x04\x12\x1c\n\x14num_failed_transfers\x18\x02 \x01(\x04\x12\x12\n\nnum_chunks\x18\x03 \x01(\x04\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x15\n\rtotal_seconds\x18\x05 \x01(\x01\x12\x1c\n\x14staging_bytes_in_use\x18\x06 \x01(\x04\x12\x1e\n\x16staging_bytes_capacity\x18\x07 \x01(\x04\x12\x1c\n\x14num_staged_transfers\x18\x08 \x01(\x04\"\xcd\x03\n\rStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x18\n\x10num_blocks_total\x18\x02 \x01(\r\x12\x17\n\x0fnum_blocks_free\x18\x03 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x04 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x05 \x01(\r\x12\x31\n\nkv_sending\x18\x06 \x01(\x0b\x32\x1d.kvservice.v1.KVTransferStats\x12\x33\n\x0ckv_receiving\x18\x07 \x01(\x0b\x32\x1d.kvservice.v1.KVTransferStats\x12\x1d\n\x15num_finished_requests\x18\x08 \x01(\x04\x12\x1c\n\x14num_aborted_requests\x18\t \x01(\x04\x12!\n\x19num_waiting_for_remote_kv\x18\n \x01(\r\x12*\n\x07workers\x18\x0b \x03(\x0b\x32\x19.kvservice.v1.WorkerStats\x12\x32\n\x0bspec_decode\x18\x0c \x01(\x0b\x32\x1d.kvservice.v1.SpecDecodeStats\x12\x17\n\x0fnum_preemptions\x18\r \x01(\x04\"\x99\x01\n\x0fSpecDecodeStats\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x02 \x01(\x04\x12\x18\n\x10num_verify_steps\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\"w\n\x0bWorkerStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12*\n\x05stats\x18\x02 \x01(\x0b\x32\x1b.kvservice.v1.StatsResponse\x12\x17\n\x0fnum_outstanding\x18\x03 \x01(\r\x12\x12\n\nis_healthy\x18\x04 \x01(\x08\"B\n\x10KVTransferParams\x12\x16\n\x0eremote_address\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\"X\n\x0ePrefillRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.kvservice.v1.GenerateRequest\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\"\x99\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.kvservice.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\"\x97\x01\n\rDecodeRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.kvservice.v1.GenerateRequest\x12?\n\x12kv_transfer_params\x18\x02 \x01(\x0b\x32\x1e.kvservice.v1.KVTransferParamsH\x00\x88\x01\x01\x42\x15\n\x13_kv_transfer_params\">\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\"\'\n\x11ReleaseKVResponse\x12\x12\n\nwas_staged\x18\x01 \x01(\x08\"\x9a\x01\n\rPullKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\"\x9b\x01\n\rKVChunkHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\r\x12\x11\n\tnum_bytes\x18\x07 \x01(\x04\x12\r\n\x05\x63rc32\x18\x08 \x01(\r\"w\n\x0eKVTransferDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\"\x7f\n\x07KVChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.kvservice.v1.KVChunkHeaderH\x00\x12,\n\x04\x64one\x18\x03 \x01(\x0b\x32\x1c.kvservice.v1.KVTransferDoneH\x00\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x42\x06\n\x04kind*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe6\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.kvservice.v1.GenerateRequest\x1a\x1e.kvservice.v1.GenerateResponse0\x01\x12I\n\x08\x43omplete\x12\x1d.kvservice.v1.GenerateRequest\x1a\x1e.kvservice.v1.CompleteResponse\x12@\n\x05Stats\x12\x1a.kvservice.v1.StatsRequest\x1a\x1b.kvservice.v1.StatsResponse2\xa9\x02\n\x06Worker\x12\x46\n\x07Prefill\x12\x1c.kvservice.v1.PrefillRequest\x1a\x1d.kvservice.v1.PrefillResponse\x12G\n\x06\x44\x65\x63ode\x12\x1b.kvservice.v1.DecodeRequest\x1a\x1e.kvservice.v1.GenerateResponse0\x01\x12L\n\tReleaseKV\x12\x1e.kvservice.v1.ReleaseKVRequest\x1a\x1f.kvservice.v1.ReleaseKVResponse\x12@\n\x05Stats\x12\x1a.kvservice.v1.StatsRequest\x1a\x1b.kvservice.v1.StatsResponse2L\n\nKVTransfer\x12>\n\x06PullKV\x12\x1b.kvservice.v1.PullKVRequest\x1a\x15.kvservice.v1.KVChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvservice/v1/kvservice.proto\x12\x0ckvservice.v1\"\xf4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"w\n\nChatPrompt\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.kvservice.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xcd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.kvservice.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.kvservice.v1.ChatPromptH\x00\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.kvservice.v1.SamplingParamsB\x08\n\x06prompt\"\x95\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.kvservice.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\"\x95\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.kvservice.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\"\x0e\n\x0cStatsRequest\"\xe0\x01\n\x0fKVTransferStats\x12\x15\n\rnum_transfers\x18\x01 \x01(\x04\x12\x1c\n\x14num_failed_transfers\x18\x02 \x01(\x04\x12\x12\n\nnum_chunks\x18\x03 \x01(\x04\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x15\n\rtotal_seconds\x18\x05 \x01(\x01\x12\x1c\n\x14staging_bytes_in_use\x18\x06 \x01(\x04\x12\x1e\n\x16staging_bytes_capacity\x18\x07 \x01(\x04\x12\x1c\n\x14num_staged_transfers\x18\x08 \x01(\x04\"\x83\x04\n\rStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x18\n\x10num_blocks_total\x18\x02 \x01(\r\x12\x17\n\x0fnum_blocks_free\x18\x03 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x04 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x05 \x01(\r\x12\x31\n\nkv_sending\x18\x06 \x01(\x0b\x32\x1d.kvservice.v1.KVTransferStats\x12\x33\n\x0ckv_receiving\x18\x07 \x01(\x0b\x32\x1d.kvservice.v1.KVTransferStats\x12\x1d\n\x15num_finished_requests\x18\x08 \x01(\x04\x12\x1c\n\x14num_aborted_requests\x18\t \x01(\x04\x12!\n\x19num_waiting_for_remote_kv\x18\n \x01(\r\x12*\n\x07workers\x18\x0b \x03(\x0b\x32\x19.kvservice.v1.WorkerStats\x12\x32\n\x0bspec_decode\x18\x0c \x01(\x0b\x32\x1d.kvservice.v1.SpecDecodeStats\x12\x17\n\x0fnum_preemptions\x18\r \x01(\x04\x12\x34\n\x0cprefix_cache\x18\x0e \x01(\x0b\x32\x1e.kvservice.v1.PrefixCacheStats\"1\n\x10PrefixCacheStats\x12\x0f\n\x07queries\x18\x01 \x01(\x04\x12\x0c\n\x04hits\x18\x02 \x01(\x04\"\x99\x01\n\x0fSpecDecodeStats\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x02 \x01(\x04\x12\x18\n\x10num_verify_steps\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\"w\n\x0bWorkerStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12*\n\x05stats\x18\x02 \x01(\x0b\x32\x1b.kvservice.v1.StatsResponse\x12\x17\n\x0fnum_outstanding\x18\x03 \x01(\r\x12\x12\n\nis_healthy\x18\x04 \x01(\x08\"B\n\x10KVTransferParams\x12\x16\n\x0eremote_address\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\"X\n\x0ePrefillRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.kvservice.v1.GenerateRequest\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\"\x99\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.kvservice.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\"\x97\x01\n\rDecodeRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.kvservice.v1.GenerateRequest\x12?\n\x12kv_transfer_params\x18\x02 \x01(\x0b\x32\x1e.kvservice.v1.KVTransferParamsH\x00\x88\x01\x01\x42\x15\n\x13_kv_transfer_params\">\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\"\'\n\x11ReleaseKVResponse\x12\x12\n\nwas_staged\x18\x01 \x01(\x08\"$\n\x0fKVEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\";\n\x0eKVBlocksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x04\"\'\n\x0fKVBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"x\n\x0cKVCacheEvent\x12.\n\x06stored\x18\x01 \x01(\x0b\x32\x1c.kvservice.v1.KVBlocksStoredH\x00\x12\x30\n\x07removed\x18\x02 \x01(\x0b\x32\x1d.kvservice.v1.KVBlocksRemovedH\x00\x42\x06\n\x04kind\"\x83\x01\n\x0cKVEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x13\n\x0bis_snapshot\x18\x02 \x01(\x08\x12*\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1a.kvservice.v1.KVCacheEvent\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x11\n\thash_seed\x18\x05 \x01(\x04\"\xaf\x01\n\rPullKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x08 \x01(\r\"\x9b\x01\n\rKVChunkHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\r\x12\x11\n\tnum_bytes\x18\x07 \x01(\x04\x12\r\n\x05\x63rc32\x18\x08 \x01(\r\"w\n\x0eKVTransferDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\"\x7f\n\x07KVChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.kvservice.v1.KVChunkHeaderH\x00\x12,\n\x04\x64one\x18\x03 \x01(\x0b\x32\x1c.kvservice.v1.KVTransferDoneH\x00\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x42\x06\n\x04kind*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe6\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.kvservice.v1.GenerateRequest\x1a\x1e.kvservice.v1.GenerateResponse0\x01\x12I\n\x08\x43omplete\x12\x1d.kvservice.v1.GenerateRequest\x1a\x1e.kvservice.v1.CompleteResponse\x12@\n\x05Stats\x12\x1a.kvservice.v1.StatsRequest\x1a\x1b.kvservice.v1.StatsResponse2\xfb\x02\n\x06Worker\x12\x46\n\x07Prefill\x12\x1c.kvservice.v1.PrefillRequest\x1a\x1d.kvservice.v1.PrefillResponse\x12G\n\x06\x44\x65\x63ode\x12\x1b.kvservice.v1.DecodeRequest\x1a\x1e.kvservice.v1.GenerateResponse0\x01\x12L\n\tReleaseKV\x12\x1e.kvservice.v1.ReleaseKVRequest\x1a\x1f.kvservice.v1.ReleaseKVResponse\x12@\n\x05Stats\x12\x1a.kvservice.v1.StatsRequest\x1a\x1b.kvservice.v1.StatsResponse\x12P\n\x11SubscribeKVEvents\x12\x1d.kvservice.v1.KVEventsRequest\x1a\x1a.kvservice.v1.KVEventBatch0\x01\x32L\n\nKVTransfer\x12>\n\x06PullKV\x12\x1b.kvservice.v1.PullKVRequest\x1a\x15.kvservice.v1.KVChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvservice.v1.kvservice_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=3119
-  _globals['_FINISHREASON']._serialized_end=3239
+  _globals['_FINISHREASON']._serialized_start=3641
+  _globals['_FINISHREASON']._serialized_end=3761
   _globals['_SAMPLINGPARAMS']._serialized_start=47
   _globals['_SAMPLINGPARAMS']._serialized_end=291
   _globals['_TOKENIDS']._serialized_start=293
@@ -52,35 +52,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVTRANSFERSTATS']._serialized_start=1014
   _globals['_KVTRANSFERSTATS']._serialized_end=1238
   _globals['_STATSRESPONSE']._serialized_start=1241
-  _globals['_STATSRESPONSE']._serialized_end=1702
-  _globals['_SPECDECODESTATS']._serialized_start=1705
-  _globals['_SPECDECODESTATS']._serialized_end=1858
-  _globals['_WORKERSTATS']._serialized_start=1860
-  _globals['_WORKERSTATS']._serialized_end=1979
-  _globals['_KVTRANSFERPARAMS']._serialized_start=1981
-  _globals['_KVTRANSFERPARAMS']._serialized_end=2047
-  _globals['_PREFILLREQUEST']._serialized_start=2049
-  _globals['_PREFILLREQUEST']._serialized_end=2137
-  _globals['_PREFILLRESPONSE']._serialized_start=2140
-  _globals['_PREFILLRESPONSE']._serialized_end=2293
-  _globals['_DECODEREQUEST']._serialized_start=2296
-  _globals['_DECODEREQUEST']._serialized_end=2447
-  _globals['_RELEASEKVREQUEST']._serialized_start=2449
-  _globals['_RELEASEKVREQUEST']._serialized_end=2511
-  _globals['_RELEASEKVRESPONSE']._serialized_start=2513
-  _globals['_RELEASEKVRESPONSE']._serialized_end=2552
-  _globals['_PULLKVREQUEST']._serialized_start=2555
-  _globals['_PULLKVREQUEST']._serialized_end=2709
-  _globals['_KVCHUNKHEADER']._serialized_start=2712
-  _globals['_KVCHUNKHEADER']._serialized_end=2867
-  _globals['_KVTRANSFERDONE']._serialized_start=2869
-  _globals['_KVTRANSFERDONE']._serialized_end=2988
-  _globals['_KVCHUNK']._serialized_start=2990
-  _globals['_KVCHUNK']._serialized_end=3117
-  _globals['_GENERATION']._serialized_start=3242
-  _globals['_GENERATION']._serialized_end=3472
-  _globals['_WORKER']._serialized_start=3475
-  _globals['_WORKER']._serialized_end=3772
-  _globals['_KVTRANSFER']._serialized_start=3774
-  _globals['_KVTRANSFER']._serialized_end=3850
+  _globals['_STATSRESPONSE']._serialized_end=1756
+  _globals['_PREFIXCACHESTATS']._serialized_start=1758
+  _globals['_PREFIXCACHESTATS']._serialized_end=1807
+  _globals['_SPECDECODESTATS']._serialized_start=1810
+  _globals['_SPECDECODESTATS']._serialized_end=1963
+  _globals['_WORKERSTATS']._serialized_start=1965
+  _globals['_WORKERSTATS']._serialized_end=2084
+  _globals['_KVTRANSFERPARAMS']._serialized_start=2086
+  _globals['_KVTRANSFERPARAMS']._serialized_end=2152
+  _globals['_PREFILLREQUEST']._serialized_start=2154
+  _globals['_PREFILLREQUEST']._serialized_end=2242
+  _globals['_PREFILLRESPONSE']._serialized_start=2245
+  _globals['_PREFILLRESPONSE']._serialized_end=2398
+  _globals['_DECODEREQUEST']._serialized_start=2401
+  _globals['_DECODEREQUEST']._serialized_end=2552
+  _globals['_RELEASEKVREQUEST']._serialized_start=2554
+  _globals['_RELEASEKVREQUEST']._serialized_end=2616
+  _globals['_RELEASEKVRESPONSE']._serialized_start=2618
+  _globals['_RELEASEKVRESPONSE']._serialized_end=2657
+  _globals['_KVEVENTSREQUEST']._serialized_start=2659
+  _globals['_KVEVENTSREQUEST']._serialized_end=2695
+  _globals['_KVBLOCKSSTORED']._serialized_start=2697
+  _globals['_KVBLOCKSSTORED']._serialized_end=2756
+  _globals['_KVBLOCKSREMOVED']._serialized_start=2758
+  _globals['_KVBLOCKSREMOVED']._serialized_end=2797
+  _globals['_KVCACHEEVENT']._serialized_start=2799
+  _globals['_KVCACHEEVENT']._serialized_end=2919
+  _globals['_KVEVENTBATCH']._serialized_start=2922
+  _globals['_KVEVENTBATCH']._serialized_end=3053
+  _globals['_PULLKVREQUEST']._serialized_start=3056
+  _globals['_PULLKVREQUEST']._serialized_end=3231
+  _globals['_KVCHUNKHEADER']._serialized_start=3234
+  _globals['_KVCHUNKHEADER']._serialized_end=3389
+  _globals['_KVTRANSFERDONE']._serialized_start=3391
+  _globals['_KVTRANSFERDONE']._serialized_end=3510
+  _globals['_KVCHUNK']._serialized_start=3512
+  _globals['_KVCHUNK']._serialized_end=3639
+  _globals['_GENERATION']._serialized_start=3764
+  _globals['_GENERATION']._serialized_end=3994
+  _globals['_WORKER']._serialized_start=3997
+  _globals['_WORKER']._serialized_end=4376
+  _globals['_KVTRANSFER']._serialized_start=4378
+  _globals['_KVTRANSFER']._serialized_end=4454
 # @@protoc_insertion_point(module_scope)

@@ -127,7 +127,7 @@ class KVTransferStats(_message.Message):
     def __init__(self, num_transfers: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., total_seconds: _Optional[float] = ..., staging_bytes_in_use: _Optional[int] = ..., staging_bytes_capacity: _Optional[int] = ..., num_staged_transfers: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("role", "num_blocks_total", "num_blocks_free", "num_running_requests", "num_waiting_requests", "kv_sending", "kv_receiving", "num_finished_requests", "num_aborted_requests", "num_waiting_for_remote_kv", "workers", "spec_decode", "num_preemptions")
+    __slots__ = ("role", "num_blocks_total", "num_blocks_free", "num_running_requests", "num_waiting_requests", "kv_sending", "kv_receiving", "num_finished_requests", "num_aborted_requests", "num_waiting_for_remote_kv", "workers", "spec_decode", "num_preemptions", "prefix_cache")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class StatsResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_blocks_total: int
     num_blocks_free: int
@@ -154,7 +155,16 @@ class StatsResponse(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     spec_decode: SpecDecodeStats
     num_preemptions: int
-    def __init__(self, role: _Optional[str] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_sending: _Optional[_Union[KVTransferStats, _Mapping]] = ..., kv_receiving: _Optional[_Union[KVTransferStats, _Mapping]] = ..., num_finished_requests: _Optional[int] = ..., num_aborted_requests: _Optional[int] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., spec_decode: _Optional[_Union[SpecDecodeStats, _Mapping]] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    prefix_cache: PrefixCacheStats
+    def __init__(self, role: _Optional[str] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_sending: _Optional[_Union[KVTransferStats, _Mapping]] = ..., kv_receiving: _Optional[_Union[KVTransferStats, _Mapping]] = ..., num_finished_requests: _Optional[int] = ..., num_aborted_requests: _Optional[int] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., spec_decode: _Optional[_Union[SpecDecodeStats, _Mapping]] = ..., num_preemptions: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
+
+class PrefixCacheStats(_message.Message):
+    __slots__ = ("queries", "hits")
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    queries: int
+    hits: int
+    def __init__(self, queries: _Optional[int] = ..., hits: _Optional[int] = ...) -> None: ...
 
 class SpecDecodeStats(_message.Message):
     __slots__ = ("num_draft_tokens", "num_accepted_tokens", "num_verify_steps", "acceptance_rate", "mean_accepted_length")
@@ -234,8 +244,50 @@ class ReleaseKVResponse(_message.Message):
     was_staged: bool
     def __init__(self, was_staged: _Optional[bool] = ...) -> None: ...
 
+class KVEventsRequest(_message.Message):
+    __slots__ = ("after_seq",)
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    after_seq: int
+    def __init__(self, after_seq: _Optional[int] = ...) -> None: ...
+
+class KVBlocksStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_hash")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    parent_hash: int
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ...) -> None: ...
+
+class KVBlocksRemoved(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVCacheEvent(_message.Message):
+    __slots__ = ("stored", "removed")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    stored: KVBlocksStored
+    removed: KVBlocksRemoved
+    def __init__(self, stored: _Optional[_Union[KVBlocksStored, _Mapping]] = ..., removed: _Optional[_Union[KVBlocksRemoved, _Mapping]] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("seq", "is_snapshot", "events", "block_size", "hash_seed")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    IS_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    is_snapshot: bool
+    events: _containers.RepeatedCompositeFieldContainer[KVCacheEvent]
+    block_size: int
+    hash_seed: int
+    def __init__(self, seq: _Optional[int] = ..., is_snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KVCacheEvent, _Mapping]]] = ..., block_size: _Optional[int] = ..., hash_seed: _Optional[int] = ...) -> None: ...
+
 class PullKVRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_token", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+    __slots__ = ("request_id", "transfer_token", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "first_block")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +295,7 @@ class PullKVRequest(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_token: bytes
     num_layers: int
@@ -250,7 +303,8 @@ class PullKVRequest(_message.Message):
     num_kv_heads: int
     head_dim: int
     dtype: str
-    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    first_block: int
+    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class KVChunkHeader(_message.Message):
     __slots__ = ("request_id", "layer", "first_block", "num_blocks", "dtype", "shape", "num_bytes", "crc32")

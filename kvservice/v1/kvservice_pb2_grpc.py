@@ -212,6 +212,11 @@ class WorkerStub:
                 request_serializer=kvservice_dot_v1_dot_kvservice__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKVEvents = channel.unary_stream(
+                '/kvservice.v1.Worker/SubscribeKVEvents',
+                request_serializer=kvservice_dot_v1_dot_kvservice__pb2.KVEventsRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -245,6 +250,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKVEvents(self, request, context):
+        """The worker's prefix cache as it changes: a snapshot first (or after a gap), then
+        each step's stored and removed blocks. How a router learns what a worker caches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -267,6 +280,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.StatsRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_kvservice__pb2.StatsResponse.SerializeToString,
+            ),
+            'SubscribeKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKVEvents,
+                    request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.KVEventsRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kvservice__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -377,6 +395,33 @@ class Worker:
             '/kvservice.v1.Worker/Stats',
             kvservice_dot_v1_dot_kvservice__pb2.StatsRequest.SerializeToString,
             kvservice_dot_v1_dot_kvservice__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvservice.v1.Worker/SubscribeKVEvents',
+            kvservice_dot_v1_dot_kvservice__pb2.KVEventsRequest.SerializeToString,
+            kvservice_dot_v1_dot_kvservice__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
