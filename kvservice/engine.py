@@ -9,6 +9,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvservice.block_hash import hash_seed
+from kvservice.block_pool import KVCacheEvent
 from kvservice.chat_template import ChatPrompt, Prompt, apply_chat_template
 from kvservice.config import EngineConfig, ModelConfig
 from kvservice.connector.base import KVConnectorBase
@@ -76,8 +78,10 @@ class LLMEngine:
         self.connector = connector
         if connector is not None:
             connector.register_kv_caches(self.kv_caches, self.layout)
+        # The prefix cache's keys fold in what else decides the KV: the model and its dtype.
+        self.kv_hash_seed = hash_seed(model, str(self.loaded.dtype))
         self.scheduler = Scheduler(
-            KVCacheManager(num_blocks, config.block_size),
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_hash_seed),
             config.max_num_seqs,
             config.max_num_batched_tokens,
             connector,
@@ -198,6 +202,16 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------ introspection
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's changes since the last call (recorded from the first call on)."""
+        pool = self.scheduler.kv.block_pool
+        pool.record_events = True
+        return pool.take_events()
+
+    def kv_cache_snapshot(self) -> list[KVCacheEvent]:
+        """Everything the prefix cache holds now, as `stored` events."""
+        return self.scheduler.kv.block_pool.snapshot()
 
     @property
     def num_free_blocks(self) -> int:

@@ -92,6 +92,18 @@ class EngineCoreOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    """Automatic prefix caching, in tokens: looked up at admission, and found cached."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class SpecDecodingStats:
     """Speculative decoding counters since the engine started."""
 
@@ -123,6 +135,7 @@ class SchedulerStats:
     num_blocks_total: int
     num_blocks_free: int
     spec_decoding: SpecDecodingStats = SpecDecodingStats()
+    prefix_cache: PrefixCacheStats = PrefixCacheStats()
 
     @property
     def num_unfinished_requests(self) -> int:

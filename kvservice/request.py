@@ -86,6 +86,10 @@ class Request:
     # this request's tokens the draft's own KV cache covers.
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_computed_tokens: int = 0
+    # Prefix caching: the keys of the full blocks so far (extended by the KV cache
+    # manager), and how many prompt tokens the last admission found cached.
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
     stop_token_ids: frozenset[int] = field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:

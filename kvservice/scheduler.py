@@ -6,8 +6,14 @@ order, while the budget, `max_num_seqs` and free blocks allow. When a running re
 needs a block and none is free, the most recently admitted running request is
 preempted: its blocks are freed and it is recomputed later from its tokens so far.
 
+A waiting request starts after its longest cached prefix (automatic prefix caching):
+it shares those blocks and computes the rest, always at least its last token, whose
+logits give the first sampled token. After every step the blocks that computed tokens
+filled join the prefix cache.
+
 With a KV connector, a waiting request whose prompt KV comes from elsewhere gets its
-blocks and parks in WAITING_FOR_REMOTE_KV until the connector reports the load done.
+blocks and parks in WAITING_FOR_REMOTE_KV until the connector reports the load done;
+only the part past its local prefix hit is loaded (possibly nothing but the first token).
 """
 
 from __future__ import annotations
@@ -120,6 +126,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_blocks_total=self.kv.num_blocks,
             num_blocks_free=self.kv.num_free_blocks,
+            prefix_cache=self.kv.prefix_cache,
             spec_decoding=SpecDecodingStats(self.num_draft_tokens, self.num_accepted_tokens, self.num_verify_steps),
         )
 
@@ -154,14 +161,21 @@ class Scheduler:
         # memory is short, and admitting more would only thrash.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if self._try_start_remote_load(request):
+            assert request.num_computed_tokens == 0 and not self.kv.get_block_ids(request.request_id)
+            cached = self._find_cached_prefix(request)
+            started = self._try_start_remote_load(request, cached)
+            if started is None:
+                break  # its KV comes from elsewhere, and the blocks for it are not free yet
+            if started:
                 self.waiting.popleft()
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            block_ids = self.kv.allocate_slots(request, num_new + self._lookahead(request, num_new))
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            block_ids = self.kv.allocate_slots(request, num_new + self._lookahead(request, num_cached + num_new), cached)
             if block_ids is None:
                 break
             self.waiting.popleft()
+            self._admit(request, num_cached)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new, block_ids))
@@ -194,10 +208,12 @@ class Scheduler:
             token_ids = sampled_token_ids.get(request.request_id)
             if token_ids is None:
                 request.num_computed_tokens += item.num_new_tokens
+                self.kv.cache_full_blocks(request)
                 continue
             num_spec = len(item.spec_token_ids)
             # The KV of the accepted draft tokens is valid; that of rejected ones is not.
             request.num_computed_tokens += item.num_new_tokens - num_spec + len(token_ids) - 1
+            self.kv.cache_full_blocks(request)
             if num_spec:
                 self.num_draft_tokens += num_spec
                 self.num_accepted_tokens += len(token_ids) - 1
@@ -258,16 +274,32 @@ class Scheduler:
         self.kv.free(request.request_id)
         self.requests.pop(request.request_id, None)
 
-    def _try_start_remote_load(self, request: Request) -> bool:
-        """Park a request whose prompt KV arrives asynchronously; True if it was parked."""
-        if self.connector is None or request.num_computed_tokens > 0:
+    def _find_cached_prefix(self, request: Request) -> list[int]:
+        """The blocks of the request's longest cached prefix. Its last token is computed
+        here (its logits give the first token) unless a remote prefill sends that token."""
+        remote_first_token = self.connector is not None and self.connector.supplies_first_token(request)
+        max_tokens = request.num_prompt_tokens if remote_first_token else request.num_tokens - 1
+        return self.kv.find_cached_prefix(request, max_tokens)
+
+    def _admit(self, request: Request, num_cached: int) -> None:
+        """The request got its blocks: it starts after its cached prefix."""
+        request.num_computed_tokens = num_cached
+        request.num_cached_tokens = num_cached
+        self.kv.record_lookup(request.num_tokens, num_cached)
+
+    def _try_start_remote_load(self, request: Request, cached: list[int]) -> bool | None:
+        """Park a request whose prompt KV (past its cached prefix) arrives asynchronously.
+        True if it was parked, None if it must but its blocks are not free, else False."""
+        if self.connector is None:
             return False
-        num_external, is_async = self.connector.get_num_new_matched_tokens(request, request.num_computed_tokens)
-        if num_external == 0 or not is_async:
+        num_cached = len(cached) * self.kv.block_size
+        num_external, is_async = self.connector.get_num_new_matched_tokens(request, num_cached)
+        if not is_async:
             return False
-        block_ids = self.kv.allocate_slots(request, num_external)
+        block_ids = self.kv.allocate_slots(request, num_external, cached)
         if block_ids is None:
-            return False
+            return None
+        self._admit(request, num_cached)
         self.connector.update_state_after_alloc(request, block_ids, num_external)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.waiting_for_remote_kv[request.request_id] = request
@@ -309,6 +341,7 @@ class Scheduler:
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_draft_computed_tokens = 0  # the draft's KV is recomputed here
         request.kv_transfer_params = None
+        self.kv.cache_full_blocks(request)
         request.append_output_token(first_token)
         status = request.check_stop()
         if status is not None:
@@ -321,7 +354,10 @@ class Scheduler:
     def _handle_load_failure(self, request: Request) -> list[EngineCoreOutput]:
         request.kv_transfer_params = None
         if self.kv_load_failure_policy == "recompute":
-            # Keep the blocks; the prompt is recomputed over them as a normal prefill.
+            # Start over as a local prefill: the loaded blocks hold nothing valid, and the
+            # cached prefix it shares may end where the prompt does, but its last token
+            # must now be computed (never into a shared block).
+            self.kv.free(request.request_id)
             request.num_computed_tokens = 0
             request.num_draft_computed_tokens = 0
             request.status = RequestStatus.WAITING

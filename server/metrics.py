@@ -180,6 +180,8 @@ class EngineCollector(Collector):
             num_bytes.add_metric([direction], t.num_bytes)
             seconds.add_metric([direction], t.total_seconds)
         yield from (transfers, failures, num_bytes, seconds)
+        yield CounterMetricFamily("kvservice_prefix_cache_queries", "Prefix cache: prompt tokens looked up", value=s.prefix_cache.queries)
+        yield CounterMetricFamily("kvservice_prefix_cache_hits", "Prefix cache: prompt tokens found cached", value=s.prefix_cache.hits)
         spec = s.spec_decode
         yield CounterMetricFamily("kvservice_spec_draft_tokens", "Speculative decoding: draft tokens proposed", value=spec.num_draft_tokens)
         yield CounterMetricFamily("kvservice_spec_accepted_tokens", "Speculative decoding: draft tokens accepted", value=spec.num_accepted_tokens)

@@ -240,6 +240,8 @@ class ProxyService(StreamingGenerationService):
             stats.num_waiting_for_remote_kv += s.num_waiting_for_remote_kv
             stats.num_finished_requests += s.num_finished_requests if s.role != "prefill" else 0
             stats.num_aborted_requests += s.num_aborted_requests
+            stats.prefix_cache.queries += s.prefix_cache.queries
+            stats.prefix_cache.hits += s.prefix_cache.hits
             _add_transfer_stats(stats.kv_sending, s.kv_sending)
             _add_transfer_stats(stats.kv_receiving, s.kv_receiving)
         return stats

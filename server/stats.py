@@ -24,6 +24,8 @@ def engine_stats(engine: LLMEngine, role: str) -> pb.StatsResponse:
         num_aborted_requests=scheduler.num_aborted_requests,
         num_preemptions=scheduler.num_preemptions,
     )
+    stats.prefix_cache.queries = scheduler.prefix_cache.queries
+    stats.prefix_cache.hits = scheduler.prefix_cache.hits
     spec = scheduler.spec_decoding
     stats.spec_decode.num_draft_tokens = spec.num_draft_tokens
     stats.spec_decode.num_accepted_tokens = spec.num_accepted_tokens

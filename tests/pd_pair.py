@@ -82,8 +82,8 @@ class ObservedRegistry(TransferRegistry):
         self.pull_arrived.set()
         return await super().wait_registered(request_id, token, timeout)
 
-    def start_pull(self, transfer: StagedTransfer, token: bytes) -> asyncio.Event:
-        changed = super().start_pull(transfer, token)
+    def start_pull(self, transfer: StagedTransfer, token: bytes, first_block: int = 0) -> asyncio.Event:
+        changed = super().start_pull(transfer, token, first_block)
         self.pull_started.set()
         return changed
 

@@ -88,17 +88,67 @@ def test_least_recently_freed_block_is_reused_first() -> None:
     assert pool.allocate(3) == [block_ids[2], block_ids[0], block_ids[3]]
 
 
-def test_reusing_a_hashed_block_reports_its_removal() -> None:
-    pool = BlockPool(2)
-    block_ids = pool.allocate(2)
+def _cached_pool(num_blocks: int) -> tuple[BlockPool, list[int]]:
+    """A pool whose blocks are all taken, events on."""
+    pool = BlockPool(num_blocks)
+    pool.record_events = True
+    block_ids = pool.allocate(num_blocks)
     assert block_ids is not None
-    pool.blocks[block_ids[0]].block_hash = 1234
-    pool.free(block_ids)
+    return pool, block_ids
+
+
+def test_cached_blocks_chain_into_one_stored_event_and_stay_findable_when_free() -> None:
+    pool, ids = _cached_pool(4)
+    assert pool.cache_block(ids[0], 11, parent_hash=7)
+    assert pool.cache_block(ids[1], 12, parent_hash=11)
+    assert pool.cache_block(ids[2], 99, parent_hash=5)  # another chain
+    assert pool.take_events() == [KVCacheEvent("stored", (11, 12), 7), KVCacheEvent("stored", (99,), 5)]
+    pool.free(ids)
+    assert pool.num_free_blocks == 4
+    assert pool.get_cached_block(12) == ids[1]
+    pool.touch([ids[1]])  # a hit takes it back out of the free queue
+    assert pool.num_free_blocks == 3 and pool.blocks[ids[1]].ref_cnt == 1
+
+
+def test_never_cached_blocks_go_first_then_cached_ones_least_recently_freed_first() -> None:
+    pool, ids = _cached_pool(4)
+    for block_id, block_hash in zip(ids[:3], (1, 2, 3)):
+        pool.cache_block(block_id, block_hash, parent_hash=0)
+    pool.take_events()
+    pool.free([ids[2]])
+    pool.free([ids[0]])
+    pool.free([ids[3]])  # not cached
+    pool.free([ids[1]])
+    assert pool.allocate(1) == [ids[3]]
     assert pool.take_events() == []
-    pool.allocate(2)
-    assert pool.take_events() == [KVCacheEvent("removed", (1234,))]
-    assert pool.take_events() == []
-    assert all(b.block_hash is None for b in pool.blocks)
+    assert pool.allocate(2) == [ids[2], ids[0]]
+    assert pool.take_events() == [KVCacheEvent("removed", (3, 1))]
+    assert pool.get_cached_block(3) is None and pool.get_cached_block(2) == ids[1]
+    assert [pool.blocks[i].block_hash for i in (ids[2], ids[0])] == [None, None]
+
+
+def test_a_hash_is_cached_once_and_not_at_all_with_caching_off() -> None:
+    pool, ids = _cached_pool(2)
+    assert pool.cache_block(ids[0], 5, parent_hash=0)
+    assert not pool.cache_block(ids[1], 5, parent_hash=0)
+    assert pool.get_cached_block(5) == ids[0] and pool.blocks[ids[1]].block_hash is None
+    off = BlockPool(1, enable_caching=False)
+    taken = off.allocate(1)
+    assert taken is not None and not off.cache_block(taken[0], 5, parent_hash=0)
+    assert off.get_cached_block(5) is None and off.num_cached_blocks == 0
+
+
+def test_snapshot_lists_every_cached_block_and_events_wait_for_a_taker() -> None:
+    pool = BlockPool(3)
+    ids = pool.allocate(3)
+    assert ids is not None
+    pool.cache_block(ids[0], 1, parent_hash=9)
+    pool.cache_block(ids[1], 2, parent_hash=1)
+    assert pool.take_events() == []  # nobody took events yet: none were kept
+    assert sorted(pool.snapshot(), key=lambda e: e.block_hashes) == [
+        KVCacheEvent("stored", (1,), 9),
+        KVCacheEvent("stored", (2,), 1),
+    ]
 
 
 @pytest.mark.parametrize("num_blocks", [0, -1])

@@ -90,3 +90,6 @@ async def test_metrics_move_with_traffic(cluster: LocalCluster) -> None:
     assert value(prefill, "kvservice_kv_staging_capacity_bytes") > 0
     for worker in (prefill, decode):
         assert value(worker, "kvservice_kv_blocks_free") + value(worker, "kvservice_kv_blocks_used") == 64
+        # Every 7-token prompt was looked up in the prefix cache; none fills a block to match.
+        assert value(worker, "kvservice_prefix_cache_queries_total") == 7 * NUM_REQUESTS
+        assert value(worker, "kvservice_prefix_cache_hits_total") == 0

@@ -18,7 +18,9 @@ EOS = 2
 
 
 def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int = 4, **params: object) -> Request:
-    prompt = [10 + (i % 50) for i in range(num_prompt_tokens)]
+    """A request whose prompt shares no prefix with other ids' (prefix caching has its own tests)."""
+    offset = sum(map(ord, request_id))
+    prompt = [10 + ((i + offset) % 50) for i in range(num_prompt_tokens)]
     return Request(
         request_id,
         prompt,

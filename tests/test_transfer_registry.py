@@ -216,7 +216,7 @@ async def test_a_complete_pull_sees_every_chunk_then_frees_the_staging() -> None
     registry.unpin(writer)
     await asyncio.wait_for(changed.wait(), WAIT)  # publishing woke the pull
     registry.complete("a", first_token_id=42)
-    chunks, state = registry.snapshot(transfer, num_sent=0)
+    chunks, state = registry.snapshot(transfer, num_seen=0)
     assert state is TransferState.COMPLETE and transfer.first_token_id == 42
     assert [(c.layer, c.first_block, c.num_blocks) for c in chunks] == [(0, 0, 2), (1, 0, 2)]
     # The bytes the pull reads are the bytes the writer staged, chunk by chunk.
@@ -224,7 +224,7 @@ async def test_a_complete_pull_sees_every_chunk_then_frees_the_staging() -> None
         data = transfer.buffer.tensor[chunk.offset : chunk.offset + chunk.num_bytes].view(torch.float32)
         assert chunk.num_bytes == 2 * LAYOUT.bytes_per_block_per_layer
         assert bool((data == 1.0 + chunk.layer).all())
-    assert registry.snapshot(transfer, num_sent=2)[0] == []
+    assert registry.snapshot(transfer, num_seen=2)[0] == []
     assert registry.pool.bytes_in_use > 0
     registry.end_pull(transfer, changed)
     assert released == ["a"]
@@ -301,9 +301,9 @@ async def test_the_lease_never_expires_under_a_streaming_pull() -> None:
     _stage_all(registry, transfer, fill=1.0)
     registry.complete("a", first_token_id=5)
     changed = registry.start_pull(transfer, TOKEN)
-    chunks, _ = registry.snapshot(transfer, num_sent=0)
+    chunks, _ = registry.snapshot(transfer, num_seen=0)
     assert registry.expire(now=time.monotonic() + 10 * LEASE) == []  # the chunks are still on their way
-    rest, state = registry.snapshot(transfer, num_sent=len(chunks))
+    rest, state = registry.snapshot(transfer, num_seen=len(chunks))
     assert (rest, state) == ([], TransferState.COMPLETE), transfer.error
     registry.end_pull(transfer, changed)
     assert registry.pool.bytes_in_use == 0 and registry.get("a") is None
@@ -334,7 +334,7 @@ async def test_a_completed_pull_frees_staging_once_the_last_writer_unpins() -> N
     _stage_all(registry, transfer, fill=1.0)
     registry.complete("a", first_token_id=5)
     changed = registry.start_pull(transfer, TOKEN)
-    chunks, state = registry.snapshot(transfer, num_sent=0)
+    chunks, state = registry.snapshot(transfer, num_seen=0)
     assert state is TransferState.COMPLETE and len(chunks) == LAYOUT.num_layers
     registry.end_pull(transfer, changed)  # the decode side has every chunk and the done frame
     assert registry.pool.bytes_in_use == BLOCK_BYTES  # the writer still holds the buffer

@@ -3,8 +3,11 @@
 A connector has two halves in one object (both live in the engine's process):
 
 Scheduler side, called by the `Scheduler` while it plans a step:
+  0. `supplies_first_token(request)` - whether a remote prefill samples the request's
+     first token (then its whole prompt may come from the local prefix cache).
   1. `get_num_new_matched_tokens(request, num_computed_tokens)` - how many prompt tokens
-     a remote source will supply, and whether they arrive asynchronously.
+     past the local prefix-cache hit a remote source will supply, and whether they
+     arrive asynchronously.
   2. `update_state_after_alloc(request, block_ids, num_external_tokens)` - blocks are
      allocated for them; remember where to load.
   3. `build_connector_meta(scheduler_output)` - what the worker half must do this step.
@@ -58,13 +61,21 @@ class KVConnectorBase(abc.ABC):
 
     # ------------------------------------------------------------ scheduler side
 
+    def supplies_first_token(self, request: Request) -> bool:
+        """Called by the scheduler before it looks up a waiting request's cached prefix:
+        True when an external source sends the first sampled token with the KV, so no
+        prompt token has to be computed here. Default: False."""
+        return False
+
     @abc.abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Called by the scheduler for a waiting request before it allocates blocks.
+        """Called by the scheduler for a waiting request before it allocates blocks;
+        `num_computed_tokens` is its local prefix-cache hit.
 
         Returns (number of tokens past `num_computed_tokens` whose KV an external
         source supplies, whether that load is asynchronous, i.e. the request must wait
-        in WAITING_FOR_REMOTE_KV until `get_finished` reports it in `finished_recving`).
+        in WAITING_FOR_REMOTE_KV until `get_finished` reports it in `finished_recving`;
+        (0, True) waits for a load that brings only the first token).
         """
 
     @abc.abstractmethod

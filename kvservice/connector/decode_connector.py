@@ -1,8 +1,9 @@
 """The decode worker's connector: pulls a prompt's KV from its prefill worker into local blocks.
 
 Scheduler side: a waiting request whose `kv_transfer_params` name a prefill worker
-matches all its prompt tokens asynchronously; the scheduler allocates the blocks and
-parks it in WAITING_FOR_REMOTE_KV. Worker side: `start_load_kv` starts one pull task
+matches asynchronously the prompt tokens past its local prefix-cache hit (which may
+be the whole prompt: the pull then brings only the first token); the scheduler
+allocates the blocks and parks it in WAITING_FOR_REMOTE_KV. Worker side: `start_load_kv` starts one pull task
 per new load on the connector's own event loop thread; `get_finished` reports loads
 that completed, failed or were cancelled, `get_block_ids_with_load_errors` the blocks
 of failed ones, and the worker meta carries the first token each prefill sampled.
@@ -110,23 +111,32 @@ class DecodeKVConnector(KVConnectorBase):
 
     # ------------------------------------------------------------ scheduler side
 
+    def supplies_first_token(self, request: Request) -> bool:
+        return self._has_remote_prefill(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if params is None or REMOTE_ADDRESS not in params or num_computed_tokens > 0:
+        if not self._has_remote_prefill(request):
             return 0, False
-        return request.num_prompt_tokens, True
+        # Possibly 0 (the whole prompt is cached here): the pull still brings the first token.
+        return request.num_prompt_tokens - num_computed_tokens, True
+
+    @staticmethod
+    def _has_remote_prefill(request: Request) -> bool:
+        params = request.kv_transfer_params
+        return params is not None and REMOTE_ADDRESS in params and not request.output_token_ids
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         assert params is not None
-        num_blocks = self.layout.num_blocks_for(num_external_tokens)
+        num_blocks = self.layout.num_blocks_for(request.num_prompt_tokens)
         self._new_loads.append(
             LoadSpec(
                 request_id=request.request_id,
                 remote_address=params[REMOTE_ADDRESS],
                 transfer_token=params[TRANSFER_TOKEN],
                 block_ids=list(block_ids[:num_blocks]),
-                num_tokens=num_external_tokens,
+                num_tokens=request.num_prompt_tokens,
+                first_block=request.num_computed_tokens // self.layout.block_size,
             )
         )
 

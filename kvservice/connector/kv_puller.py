@@ -29,8 +29,10 @@ class LoadSpec:
     request_id: str
     remote_address: str
     transfer_token: bytes
-    block_ids: list[int]  # local blocks that receive the prompt's KV, in order
-    num_tokens: int
+    block_ids: list[int]  # the local blocks of the prompt's KV, in order
+    num_tokens: int  # prompt tokens
+    # Blocks before this one are in the local prefix cache already: not pulled.
+    first_block: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +61,7 @@ async def pull_kv(
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
         dtype=wire.dtype_name(layout.dtype),
+        first_block=spec.first_block,
     )
     call = channel.unary_stream(
         PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=None
@@ -68,8 +71,8 @@ async def pull_kv(
     block_ids = torch.tensor(spec.block_ids, dtype=torch.long, device=device)
     run_ends = _run_ends(spec.block_ids)
     host_caches = _host_views(kv_caches, spec.block_ids, run_ends, layout)
-    # written[layer][block]: each block of each layer exactly once.
-    written = [bytearray(num_blocks) for _ in range(layout.num_layers)]
+    # written[layer][block]: each block of each layer exactly once (the cached ones count as written).
+    written = [bytearray(b"\x01" * spec.first_block + bytes(num_blocks - spec.first_block)) for _ in range(layout.num_layers)]
     start = time.perf_counter()
     num_chunks = num_bytes = 0
     error: str | None = None
@@ -84,6 +87,8 @@ async def pull_kv(
             assert header is not None
             wire.validate_chunk(header, decoded.payload, layout, spec.request_id, num_blocks)
             first, n = header.first_block, header.num_blocks
+            if first < spec.first_block:
+                raise wire.KVChunkError(f"header.first_block: {first}, but the pull asked for blocks from {spec.first_block}")
             if any(written[header.layer][first : first + n]):
                 raise wire.KVChunkError(f"header.first_block: blocks [{first}, {first + n}) of layer {header.layer} sent twice")
             src = wire.payload_view(decoded.payload, layout, n)  # [2, n, block_size, kv_heads, head_dim]

@@ -13,11 +13,13 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+import numpy as np
 
 from kvservice.connector import wire
 from kvservice.connector.transfer_registry import (
     StagedTransfer,
     TransferDenied,
+    TransferInvalid,
     TransferNotFound,
     TransferRegistry,
     TransferState,
@@ -76,7 +78,9 @@ class KVTransferService:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         try:
             transfer = await self.registry.wait_registered(request.request_id, request.transfer_token, self.registration_timeout)
-            changed = self.registry.start_pull(transfer, request.transfer_token)
+            changed = self.registry.start_pull(transfer, request.transfer_token, request.first_block)
+        except TransferInvalid as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except TransferNotFound as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except TransferDenied as e:
@@ -97,31 +101,41 @@ class KVTransferService:
             await context.abort(grpc.StatusCode.ABORTED, transfer.error or "transfer failed")
 
     async def _frames(self, transfer: StagedTransfer, changed: asyncio.Event) -> AsyncIterator[bytes]:
-        num_sent = 0
+        """The chunks the puller needs (those ending past its first block) as they are
+        published, then the done frame."""
+        num_seen = num_sent = 0
         num_bytes = 0
         layout = self.registry.layout
         buffer = transfer.buffer.tensor
         while True:
             changed.clear()
-            chunks, state = self.registry.snapshot(transfer, num_sent)
+            chunks, state = self.registry.snapshot(transfer, num_seen)
+            num_seen += len(chunks)
             for chunk in chunks:
+                skip = transfer.first_block - chunk.first_block  # blocks the puller caches
+                if skip >= chunk.num_blocks:
+                    continue
                 payload = memoryview(buffer[chunk.offset : chunk.offset + chunk.num_bytes].numpy())
+                if skip > 0:
+                    # Staged before the pull said where it starts: send only the rest (K and V of it).
+                    payload = memoryview(np.ascontiguousarray(np.asarray(payload).reshape(2, chunk.num_blocks, -1)[:, skip:])).cast("B")
+                num_blocks = chunk.num_blocks - max(skip, 0)
                 frame = wire.encode_chunk(
                     request_id=transfer.request_id,
                     layer=chunk.layer,
-                    first_block=chunk.first_block,
-                    num_blocks=chunk.num_blocks,
+                    first_block=chunk.first_block + max(skip, 0),
+                    num_blocks=num_blocks,
                     dtype=self._dtype,
-                    shape=layout.blocks_shape(chunk.num_blocks),
+                    shape=layout.blocks_shape(num_blocks),
                     payload=payload,
                 )
                 if self._corrupt_every > 0 and (self.stats.num_chunks + 1) % self._corrupt_every == 0:
                     frame = _flip_last_byte(frame)  # the payload ends the frame
                 yield frame
                 num_sent += 1
-                num_bytes += chunk.num_bytes
+                num_bytes += len(payload)
                 self.stats.num_chunks += 1
-                self.stats.num_bytes += chunk.num_bytes
+                self.stats.num_bytes += len(payload)
             if state is TransferState.FAILED:
                 return
             if state is TransferState.COMPLETE and not chunks:

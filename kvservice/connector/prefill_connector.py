@@ -2,7 +2,8 @@
 
 Scheduler side: a request whose `kv_transfer_params` carry a transfer token is a
 saving request; each step's metadata says which of its blocks became final (full, or
-the prompt's last, partial block) and must be staged. Worker side: `save_kv_layer`
+the prompt's last, partial block) and must be staged: prefix-cache hits included, but
+none before the first block the decode worker asked for if its pull came first. Worker side: `save_kv_layer`
 copies those blocks of that layer into the transfer's staging buffer and publishes
 them, so a pull streams layer L while later layers still compute. The copies are
 asynchronous: on CUDA on a side stream into pinned memory, on CPU on a copy thread
@@ -119,7 +120,10 @@ class PrefillKVConnector(KVConnectorBase):
             request = item.request
             if not _is_saving(request):
                 continue
-            staged = self._num_staged_blocks.setdefault(request.request_id, 0)
+            staged = self._num_staged_blocks.get(request.request_id)
+            if staged is None:
+                # A pull that already started names the first block it needs: stage from there.
+                staged = self.registry.first_block_to_stage(request.request_id)
             end = min(request.num_computed_tokens + item.num_new_tokens, request.num_prompt_tokens)
             # Full blocks are final; the last, partial block is final once the prompt is done.
             upto = cdiv(end, bs) if end == request.num_prompt_tokens else end // bs

@@ -44,6 +44,10 @@ class StagingExhausted(TransferError):
     pass
 
 
+class TransferInvalid(TransferError):
+    """The pull asked for something no transfer has (a block past the prompt)."""
+
+
 class TransferState(enum.Enum):
     STAGING = enum.auto()  # prefill running; chunks being published
     COMPLETE = enum.auto()  # every chunk published and the first token known
@@ -79,6 +83,9 @@ class StagedTransfer:
     is_pulled: bool = False
     is_pull_active: bool = False  # a pull is streaming it: the lease cannot expire under it
     is_released: bool = False
+    # The first block the puller needs (it caches the ones before): not staged if not
+    # yet staged when the pull starts, and never sent.
+    first_block: int = 0
     registered_at: float = field(default_factory=time.monotonic)
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=list)
 
@@ -290,14 +297,18 @@ class TransferRegistry:
                     if not waiters:
                         self._registration_waiters.pop(request_id, None)
 
-    def start_pull(self, transfer: StagedTransfer, token: bytes) -> asyncio.Event:
-        """Claim the transfer for one pull; returns the event set whenever it changes."""
+    def start_pull(self, transfer: StagedTransfer, token: bytes, first_block: int = 0) -> asyncio.Event:
+        """Claim the transfer for one pull of blocks [first_block, num_blocks); returns the
+        event set whenever the transfer changes."""
         if not hmac.compare_digest(transfer.token, token):
             raise TransferDenied("transfer_token does not match this transfer")
+        if first_block > transfer.num_blocks:
+            raise TransferInvalid(f"first_block: {first_block}, but the prompt has {transfer.num_blocks} blocks")
         event = asyncio.Event()
         with self._lock:
             if transfer.is_pulled or transfer.is_released:
                 raise TransferDenied(f"transfer for request_id {transfer.request_id!r} was already pulled")
+            transfer.first_block = first_block
             transfer.is_pulled = True
             transfer.is_pull_active = True
             transfer.num_pins += 1
@@ -305,11 +316,18 @@ class TransferRegistry:
             transfer.waiters.append((asyncio.get_running_loop(), event))
         return event
 
-    def snapshot(self, transfer: StagedTransfer, num_sent: int) -> tuple[list[StagedChunk], TransferState]:
-        """Chunks published after the first `num_sent`, and the state; renews the lease."""
+    def snapshot(self, transfer: StagedTransfer, num_seen: int) -> tuple[list[StagedChunk], TransferState]:
+        """Chunks published after the first `num_seen`, and the state; renews the lease."""
         with self._lock:
             transfer.lease_deadline = time.monotonic() + self.lease_seconds
-            return transfer.chunks[num_sent:], transfer.state
+            return transfer.chunks[num_seen:], transfer.state
+
+    def first_block_to_stage(self, request_id: str) -> int:
+        """Engine thread: the first block of a transfer worth staging (its pull, if already
+        started, said it needs none before)."""
+        with self._lock:
+            transfer = self._transfers.get(request_id)
+            return transfer.first_block if transfer is not None else 0
 
     def end_pull(self, transfer: StagedTransfer, event: asyncio.Event) -> None:
         """The pull ended (sent everything, failed or was cancelled): the transfer is done with."""
