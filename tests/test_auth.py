@@ -67,6 +67,19 @@ async def test_with_the_token_the_request_is_disaggregated(cluster: LocalCluster
     assert stats.kv_receiving.num_failed_transfers == 0
 
 
+async def test_a_launched_decode_worker_dials_only_the_clusters_prefill_workers(cluster: LocalCluster) -> None:
+    """LocalCluster (and so `kvservice launch`) gives decode workers the prefill addresses as --kv-peers."""
+    request = pb.DecodeRequest(
+        request=pb.GenerateRequest(request_id="r-peer", token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling_params=pb.SamplingParams(max_tokens=2)),
+        kv_transfer_params=pb.KVTransferParams(remote_address="127.0.0.1:1", transfer_token=b"t" * 32),
+    )
+    async with grpc.aio.insecure_channel(cluster.decode_addresses[0]) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await drain(pb_grpc.WorkerStub(channel).Decode(request, timeout=30, metadata=_metadata(TOKEN)))
+    assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert "--kv-peers" in (refused.value.details() or "")
+
+
 async def _decode_worker(*args: str) -> tuple[str, asyncio.subprocess.Process]:
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvservice", "serve", "--role", "decode", "--model", "tiny", "--port", "0",
