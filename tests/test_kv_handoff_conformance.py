@@ -20,6 +20,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import cast
 
 import grpc
 import pytest
@@ -27,12 +28,14 @@ import pytest_asyncio
 import torch
 from pd_pair import ObservedRegistry
 
+from kvservice.connector import wire
 from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS, KVTransferService
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import StagedTransfer
 from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.outputs import KVTransferCounters
+from kvservice.v1 import kvservice_pb2 as pb
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
@@ -218,3 +221,30 @@ async def test_every_state_survives_every_fault(prefill: Prefill, state: str, fa
     finally:
         if decode is not None:
             await decode.close()
+
+
+class _Context:
+    """The one part of a servicer context PullKV touches when it succeeds."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise AssertionError(f"PullKV aborted: {code.name}: {details}")
+
+
+async def test_a_release_while_the_done_frame_is_on_its_way_is_a_no_op(prefill: Prefill) -> None:
+    """The decode side can read the done frame before the prefill side's stream has ended, and
+    the router's ReleaseKV follows at once: it must find the transfer delivered and freed, not
+    fail it under the finished pull (seen as a 1-in-20 flake of late_duplicate_completion)."""
+    prefill.finish(prefill.register())
+    request = pb.PullKVRequest(
+        request_id="r", transfer_token=TOKEN, num_layers=LAYOUT.num_layers, block_size=LAYOUT.block_size,
+        num_kv_heads=LAYOUT.num_kv_heads, head_dim=LAYOUT.head_dim, dtype=wire.dtype_name(LAYOUT.dtype),
+    )
+    frames = KVTransferService(prefill.registry).pull_kv(request, cast(grpc.aio.ServicerContext, _Context()))
+    async for frame in frames:
+        if wire.decode_frame(frame).done is not None:
+            break  # the stream is suspended right after handing over its done frame
+    else:
+        raise AssertionError("no done frame")
+    assert prefill.registry.release("r", TOKEN) is False
+    assert prefill.staging_bytes == 0 and prefill.registry.num_transfers == 0
+    assert [frame async for frame in frames] == []  # and the stream ends OK

@@ -82,23 +82,35 @@ class KVTransferService:
         except TransferDenied as e:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         start = time.perf_counter()
-        ok = False
+        is_sent = is_delivered = False
         try:
             async for frame in self._frames(transfer, changed):
                 yield frame
-            ok = True
+            is_sent = True
         finally:
-            self.registry.end_pull(transfer, changed)
+            # Ended before the done frame goes out (it needs nothing staged): the staging is
+            # freed now, and a release or abort that arrives while the done frame is on its
+            # way finds a delivered transfer, not one to fail under a finished pull.
+            is_delivered = self.registry.end_pull(transfer, changed) and is_sent
             self.stats.num_transfers += 1
             self.stats.total_seconds += time.perf_counter() - start
-            if not ok:
+            if not is_delivered:
                 self.stats.num_failed_transfers += 1
-        if transfer.state is TransferState.FAILED:
+        if not is_delivered:
             await context.abort(grpc.StatusCode.ABORTED, transfer.error or "transfer failed")
+        assert transfer.first_token_id is not None
+        yield wire.encode_done(
+            request_id=transfer.request_id,
+            first_token_id=transfer.first_token_id,
+            num_chunks=len(transfer.chunks),
+            num_bytes=sum(chunk.num_bytes for chunk in transfer.chunks),
+            num_tokens=transfer.num_tokens,
+        )
 
     async def _frames(self, transfer: StagedTransfer, changed: asyncio.Event) -> AsyncIterator[bytes]:
+        """Every chunk as it is published; ends once all are sent and the transfer is
+        complete, or when it failed."""
         num_sent = 0
-        num_bytes = 0
         layout = self.registry.layout
         buffer = transfer.buffer.tensor
         while True:
@@ -119,20 +131,9 @@ class KVTransferService:
                     frame = _flip_last_byte(frame)  # the payload ends the frame
                 yield frame
                 num_sent += 1
-                num_bytes += chunk.num_bytes
                 self.stats.num_chunks += 1
                 self.stats.num_bytes += chunk.num_bytes
-            if state is TransferState.FAILED:
-                return
-            if state is TransferState.COMPLETE and not chunks:
-                assert transfer.first_token_id is not None
-                yield wire.encode_done(
-                    request_id=transfer.request_id,
-                    first_token_id=transfer.first_token_id,
-                    num_chunks=num_sent,
-                    num_bytes=num_bytes,
-                    num_tokens=transfer.num_tokens,
-                )
+            if state is TransferState.FAILED or (state is TransferState.COMPLETE and not chunks):
                 return
             if not chunks:
                 # Wake on the next publish, or renew the lease while the prefill runs.
