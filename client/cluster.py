@@ -1,8 +1,9 @@
 """`LocalCluster`: N prefill + M decode workers and a proxy (or one colocated worker) as local child processes.
 
 `kvservice launch`, the demo, the benchmarks and the tests all start servers through it: every child
-listens on a port the OS picks and prints it on its ready line; the cluster is ready
-when the proxy's health check says SERVING; stopping sends SIGTERM (graceful drain),
+listens on a port the OS picks and prints it on its ready line; decode workers start once the
+prefill workers are ready, with their addresses as `--kv-peers` (the only prefill workers they
+may dial); the cluster is ready when the proxy's health check says SERVING; stopping sends SIGTERM (graceful drain),
 then SIGKILL to anything still alive after the grace period. No process outlives it:
 on Linux each child gets SIGTERM from the kernel when its parent dies, even by SIGKILL
 (`PR_SET_PDEATHSIG`).
@@ -93,9 +94,11 @@ class LocalCluster:
             child = await self._spawn("both", [*worker, "--role", "both", "--port", str(self.port)], self.colocated_cores)
             self.address = child.address
         else:
-            spawns = [self._spawn(f"prefill-{i}", [*worker, "--role", "prefill"], self.prefill_cores) for i in range(self.num_prefill)]
-            spawns += [self._spawn(f"decode-{i}", [*worker, "--role", "decode"], self.decode_cores) for i in range(self.num_decode)]
-            await asyncio.gather(*spawns)
+            await asyncio.gather(*(
+                self._spawn(f"prefill-{i}", [*worker, "--role", "prefill"], self.prefill_cores) for i in range(self.num_prefill)
+            ))
+            decode = [*worker, "--role", "decode", *self._kv_peers_args()]
+            await asyncio.gather(*(self._spawn(f"decode-{i}", decode, self.decode_cores) for i in range(self.num_decode)))
             proxy_cmd = [sys.executable, "-m", "kvservice", "proxy", "--port", str(self.port), *self.proxy_args, *grace]
             if self.prefill_addresses:
                 proxy_cmd += ["--prefill", *self.prefill_addresses]
@@ -103,6 +106,13 @@ class LocalCluster:
             self.address = (await self._spawn("proxy", proxy_cmd, None)).address
         async with KVServiceClient(self.address, self.client_credentials) as client:
             await client.wait_until_serving(self.startup_timeout)
+
+    def _kv_peers_args(self) -> list[str]:
+        """Decode workers may pull KV only from this cluster's prefill workers (their addresses
+        are known once they are ready), unless the caller's worker flags name other peers."""
+        if not self.prefill_addresses or "--kv-peers" in self.worker_args:
+            return []
+        return ["--kv-peers", *self.prefill_addresses]
 
     async def _spawn(self, name: str, cmd: list[str], cores: Sequence[int] | None) -> ChildProcess:
         env = {**os.environ, **WORKER_ENV}

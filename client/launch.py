@@ -12,7 +12,7 @@ import sys
 from kvservice.client.cluster import LaunchError, LocalCluster
 from kvservice.engine_args import add_engine_arguments, engine_argv, engine_config
 from kvservice.event_loop import run_event_loop
-from kvservice.tls import AUTH_TOKEN_ENV, TLSFiles, add_tls_arguments
+from kvservice.tls import AUTH_TOKEN_ENV, TLSFiles, add_tls_arguments, add_worker_peer_names_argument, check_worker_peer_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,18 +27,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds every child gets to drain on Ctrl-C / SIGTERM before it is killed (default: 30)",
     )
     add_tls_arguments(parser)
+    add_worker_peer_names_argument(parser)  # passed to every worker
     add_engine_arguments(parser)  # passed to every worker
     parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker")
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
-    """Every worker's `kvservice serve` flags: the engine flags given to `launch`, then those after '--'."""
-    return [*engine_argv(args), *(a for a in args.worker_args if a != "--")]
+    """Every worker's `kvservice serve` flags: the engine flags and peer names given to `launch`, then those after '--'."""
+    peer_names = ["--worker-peer-names", *args.worker_peer_names] if args.worker_peer_names is not None else []
+    return [*engine_argv(args), *peer_names, *(a for a in args.worker_args if a != "--")]
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         engine_config(args)  # a bad engine flag fails here, not in every worker
+        check_worker_peer_names(args.worker_peer_names, TLSFiles.from_args(args))
     except ValueError as e:
         print(f"kvservice launch: error: {e}", file=sys.stderr)
         return 2

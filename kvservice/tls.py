@@ -7,6 +7,9 @@ client certificate (mutual TLS); a channel given `--tls-ca` verifies the server 
 it (without it, against the system roots). The bearer token (`--auth-token`, or the
 environment variable `KVSERVICE_AUTH_TOKEN`) guards every RPC but health, on the proxy
 and on the workers alike; the proxy and decode workers send it to the workers they call.
+Under mutual TLS a worker may also admit only certain certificates (`--worker-peer-names`:
+the identities of the proxy and the other workers), so that a client certificate, good
+for the proxy's client API, cannot call a worker.
 """
 
 from __future__ import annotations
@@ -102,6 +105,25 @@ def add_tls_arguments(parser: argparse.ArgumentParser, *, with_auth_token: bool 
             help=f"bearer token required by every RPC but health, and sent to the workers this process calls "
             f"(default: ${AUTH_TOKEN_ENV}; unset: no token)",
         )
+
+
+def add_worker_peer_names_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--worker-peer-names", nargs="+", default=None, metavar="NAME",
+        help="mutual TLS: workers admit only callers whose client certificate has one of these names as its subject CN "
+        "or a subject alternative name (the proxy's and the workers' identities), others get PERMISSION_DENIED; "
+        "health stays open (default: any certificate --tls-ca signed)",
+    )
+
+
+def check_worker_peer_names(names: list[str] | None, tls: TLSFiles) -> None:
+    """Peer names need client certificates to check: mutual TLS (`--tls-ca` with a certificate)."""
+    if names is None:
+        return
+    if tls.ca is None or tls.cert is None:
+        raise ValueError("--worker-peer-names needs mutual TLS (--tls-cert, --tls-key and --tls-ca)")
+    if not all(names):
+        raise ValueError("--worker-peer-names: a name is empty")
 
 
 def _read(path: str) -> bytes:

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import sys
 
+import grpc
 import torch
 
 from kvservice import engine_args
@@ -30,7 +31,7 @@ from kvservice.engine import LLMEngine
 from kvservice.event_loop import run_event_loop
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.model_loader import ModelLoadError, load_model_config, resolve_dtype
-from kvservice.server.auth import BearerTokenInterceptor
+from kvservice.server.auth import BearerTokenInterceptor, PeerNameInterceptor
 from kvservice.server.colocated_service import ColocatedGenerationService
 from kvservice.server.decode_service import DecodeWorkerService
 from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, add_log_level_argument, configure_logging
@@ -38,7 +39,7 @@ from kvservice.server.metrics import ServerMetrics, metrics_app, start_http
 from kvservice.server.openai_front import OpenAIFront
 from kvservice.server.prefill_service import PrefillWorkerService
 from kvservice.server.stats import engine_stats, transfer_counters_to_proto
-from kvservice.tls import TLSFiles, add_tls_arguments
+from kvservice.tls import TLSFiles, add_tls_arguments, add_worker_peer_names_argument, check_worker_peer_names
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
@@ -76,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_engine_arguments(parser)
     add_tls_arguments(parser)
+    add_worker_peer_names_argument(parser)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -100,6 +102,9 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--http-port: only a colocated worker (--role both) serves the HTTP API; for a prefill/decode pair, give it to the proxy")
         tls = TLSFiles.from_args(args)
         tls.server_credentials()  # unreadable files fail here, before the model loads
+        check_worker_peer_names(args.worker_peer_names, tls)
+        if args.worker_peer_names is not None and args.role == "both":
+            raise ValueError("--worker-peer-names: a colocated worker serves clients; it is for prefill and decode workers")
     except (ModelLoadError, ValueError) as e:
         print(f"kvservice serve: error: {e}", file=sys.stderr)
         return 2
@@ -132,8 +137,10 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
     prefill_service: PrefillWorkerService | None = None
     credentials = tls.server_credentials()
     generation: ColocatedGenerationService | None = None
-    # Every role checks the bearer token on every RPC but health.
-    interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
+    # Every role checks the bearer token on every RPC but health; workers can also check the peer's certificate.
+    interceptors: list[grpc.aio.ServerInterceptor] = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
+    if args.worker_peer_names is not None:
+        interceptors.append(PeerNameInterceptor(args.worker_peer_names))
     if args.role == "both":
         server = GrpcServer([SERVICE_NAMES["generation"]], credentials, interceptors)
         generation = ColocatedGenerationService(async_engine, metrics=metrics)

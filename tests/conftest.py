@@ -12,17 +12,21 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import grpc
 import pytest
 import torch
+from grpc_reflection.v1alpha import reflection_pb2_grpc
 from hf_models import save_random_model
 
 from kvservice import LLM, SamplingParams
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
 from kvservice.connector import wire
+from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.model_loader import load_model_config, resolve_dtype, smollm2_path
 from kvservice.v1 import kvservice_pb2 as pb
+from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 
@@ -169,6 +173,38 @@ async def kill_all(processes: Sequence[asyncio.subprocess.Process]) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             await process.wait()
+
+
+# ---------------------------------------------------------------- worker RPCs as a hostile caller makes them
+
+# The RPCs each worker role serves besides health.
+WORKER_RPCS = {"prefill": ("Prefill", "ReleaseKV", "Stats", "PullKV", "Reflection"), "decode": ("Decode", "Stats", "Reflection")}
+
+
+async def drain(call: AsyncIterator[object]) -> None:
+    async for _ in call:
+        pass
+
+
+def worker_calls(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] | None = None) -> dict[str, Callable[[], Awaitable[object]]]:
+    """Every RPC a worker serves besides health, each with harmless arguments."""
+    worker = pb_grpc.WorkerStub(channel)
+    request = pb.GenerateRequest(request_id="hostile-1", token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling_params=pb.SamplingParams(max_tokens=2))
+    pull = channel.unary_stream(PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=bytes)
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    return {
+        "Prefill": lambda: worker.Prefill(pb.PrefillRequest(request=request, transfer_token=b"t" * 32), timeout=10, metadata=metadata),
+        "Decode": lambda: drain(worker.Decode(
+            pb.DecodeRequest(request=request, kv_transfer_params=pb.KVTransferParams(remote_address="unix:/tmp/x", transfer_token=b"t")),
+            timeout=10, metadata=metadata,
+        )),
+        "ReleaseKV": lambda: worker.ReleaseKV(pb.ReleaseKVRequest(request_id="victim", transfer_token=b"t"), timeout=10, metadata=metadata),
+        "Stats": lambda: worker.Stats(pb.StatsRequest(), timeout=10, metadata=metadata),
+        "PullKV": lambda: drain(pull(pb.PullKVRequest(request_id="victim", transfer_token=b"t"), timeout=10, metadata=metadata)),
+        # No request message: the server may refuse before the client could write one, and a
+        # write racing the refusal fails on the client as INTERNAL. Served, this call ends OK.
+        "Reflection": lambda: drain(reflection.ServerReflectionInfo(iter([]), timeout=10, metadata=metadata)),
+    }
 
 
 _tiny_llm: LLM | None = None

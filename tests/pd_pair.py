@@ -96,6 +96,7 @@ class Pair:
     decode_connector: DecodeKVConnector
     address: str
     load_done: asyncio.Event
+    server: grpc.aio.Server  # the prefill side's PullKV server (stop it: the prefill worker died)
     released: set[str] = field(default_factory=set)
     release_event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -138,7 +139,7 @@ async def pd_pair(kv_load_failure_policy: str = "recompute", registration_timeou
     server.add_generic_rpc_handlers((KVTransferService(registry, registration_timeout).handler(),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    pair = Pair(prefill, decode, registry, decode_connector, f"127.0.0.1:{port}", load_done)
+    pair = Pair(prefill, decode, registry, decode_connector, f"127.0.0.1:{port}", load_done, server)
 
     def on_release(request_id: str) -> None:
         pair.released.add(request_id)
@@ -216,3 +217,71 @@ def dead_address() -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return f"127.0.0.1:{port}"
+
+
+class Relay:
+    """A TCP relay on 127.0.0.1 in front of `target` (HOST:PORT): the decode side dials `address`;
+    `cut()` resets every connection through it, as a dropped stream does."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.address = ""
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._is_closing = False
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.address = f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)  # owned: `close` resets its connections and awaits it
+        try:
+            host, port = self.target.rsplit(":", 1)
+            upstream_reader, upstream_writer = await asyncio.open_connection(host, int(port))
+            self._writers += [writer, upstream_writer]
+            if self._is_closing:
+                self.cut()
+            await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer), return_exceptions=True)
+        except OSError:
+            pass  # the target is gone: the client sees its connection reset
+        finally:
+            self._tasks.discard(task)
+            writer.transport.abort()
+
+    def cut(self) -> None:
+        """Reset every connection now (RST, no FIN): both ends see the stream die."""
+        for writer in self._writers:
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def close(self) -> None:
+        """Stop accepting, reset every connection, and wait for the relaying tasks to end."""
+        self._is_closing = True
+        if self._server is not None:
+            self._server.close()
+        self.cut()  # every pipe then reads EOF and ends
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while data := await reader.read(1 << 16):
+        writer.write(data)
+        await writer.drain()
+    writer.transport.abort()
+
+
+@contextlib.asynccontextmanager
+async def relay(target: str) -> AsyncIterator[Relay]:
+    """A started Relay in front of `target`, closed at the end."""
+    r = Relay(target)
+    await r.start()
+    try:
+        yield r
+    finally:
+        await r.close()

@@ -13,17 +13,15 @@ import os
 import re
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 import pytest_asyncio
-from conftest import local_cluster
-from grpc_reflection.v1alpha import reflection_pb2_grpc
+from conftest import WORKER_RPCS, drain, local_cluster, worker_calls
 
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
-from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
 from kvservice.process_env import WORKER_ENV
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
@@ -44,39 +42,12 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token is not None else None
 
 
-async def _drain(call: AsyncIterator[object]) -> None:
-    async for _ in call:
-        pass
-
-
-def worker_calls(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] | None) -> dict[str, Callable[[], Awaitable[object]]]:
-    """Every RPC a worker serves besides health, each with harmless arguments."""
-    worker = pb_grpc.WorkerStub(channel)
-    request = pb.GenerateRequest(request_id="hostile-1", token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling_params=pb.SamplingParams(max_tokens=2))
-    pull = channel.unary_stream(PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=bytes)
-    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-    return {
-        "Prefill": lambda: worker.Prefill(pb.PrefillRequest(request=request, transfer_token=b"t" * 32), timeout=10, metadata=metadata),
-        "Decode": lambda: _drain(worker.Decode(
-            pb.DecodeRequest(request=request, kv_transfer_params=pb.KVTransferParams(remote_address="unix:/tmp/x", transfer_token=b"t")),
-            timeout=10, metadata=metadata,
-        )),
-        "ReleaseKV": lambda: worker.ReleaseKV(pb.ReleaseKVRequest(request_id="victim", transfer_token=b"t"), timeout=10, metadata=metadata),
-        "Stats": lambda: worker.Stats(pb.StatsRequest(), timeout=10, metadata=metadata),
-        "PullKV": lambda: _drain(pull(pb.PullKVRequest(request_id="victim", transfer_token=b"t"), timeout=10, metadata=metadata)),
-        # No request message: the server may refuse before the client could write one, and a
-        # write racing the refusal fails on the client as INTERNAL. Served, this call ends OK.
-        "Reflection": lambda: _drain(reflection.ServerReflectionInfo(iter([]), timeout=10, metadata=metadata)),
-    }
-
-
 @pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x"], ids=["none", "wrong", "longer"])
 async def test_every_worker_rpc_but_health_needs_the_token(cluster: LocalCluster, token: str | None) -> None:
-    served = {"prefill": {"Prefill", "ReleaseKV", "Stats", "PullKV", "Reflection"}, "decode": {"Decode", "Stats", "Reflection"}}
     for role, address in [("prefill", cluster.prefill_addresses[0]), ("decode", cluster.decode_addresses[0])]:
         async with grpc.aio.insecure_channel(address) as channel:
             calls = worker_calls(channel, _metadata(token))
-            for name in served[role]:
+            for name in WORKER_RPCS[role]:
                 call = calls[name]
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await call()
@@ -94,6 +65,19 @@ async def test_with_the_token_the_request_is_disaggregated(cluster: LocalCluster
     # The KV came over the pull (which carries the token), not from a silent recompute.
     assert stats.kv_receiving.num_transfers >= 1
     assert stats.kv_receiving.num_failed_transfers == 0
+
+
+async def test_a_launched_decode_worker_dials_only_the_clusters_prefill_workers(cluster: LocalCluster) -> None:
+    """LocalCluster (and so `kvservice launch`) gives decode workers the prefill addresses as --kv-peers."""
+    request = pb.DecodeRequest(
+        request=pb.GenerateRequest(request_id="r-peer", token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling_params=pb.SamplingParams(max_tokens=2)),
+        kv_transfer_params=pb.KVTransferParams(remote_address="127.0.0.1:1", transfer_token=b"t" * 32),
+    )
+    async with grpc.aio.insecure_channel(cluster.decode_addresses[0]) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await drain(pb_grpc.WorkerStub(channel).Decode(request, timeout=30, metadata=_metadata(TOKEN)))
+    assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert "--kv-peers" in (refused.value.details() or "")
 
 
 async def _decode_worker(*args: str) -> tuple[str, asyncio.subprocess.Process]:
@@ -130,7 +114,7 @@ async def test_decode_dials_only_its_kv_peers(remote_address: str, code: grpc.St
                 kv_transfer_params=pb.KVTransferParams(remote_address=remote_address, transfer_token=b"t" * 32),
             )
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await _drain(pb_grpc.WorkerStub(channel).Decode(request, timeout=30))
+                await drain(pb_grpc.WorkerStub(channel).Decode(request, timeout=30))
             assert refused.value.code() is code
             assert "remote_address" in (refused.value.details() or "")
     finally:

@@ -1,8 +1,8 @@
 """Conformance of the KV handoff: every transfer state against every fault.
 
 The states and the expected outcome of each (state, fault) pair are written down in
-docs/kv_handoff.md; this module checks the prefill side of each pair over a real gRPC
-PullKV stream (a `KVTransferService` in this process, `pull_kv` into a local cache):
+docs/kv_handoff.md. The prefill side of each pair is checked over a real gRPC PullKV
+stream (a `KVTransferService` in this process, `pull_kv` into a local cache):
 
 - no hang: every pull ends well within its deadline;
 - no leak: the staging pool is empty afterwards (at once where the state allows it,
@@ -10,29 +10,36 @@ PullKV stream (a `KVTransferService` in this process, `pull_kv` into a local cac
 - the right output or a clear error: a pull that succeeds brings the staged bytes
   bit-identical with the first token, a failed one says why.
 
-The decode side of the same faults (blocks freed, recompute or a clear error) is covered
-by tests/test_grpc_connector.py and, across processes with SIGKILL, tests/test_faults.py.
+The decode side of each pair runs two engines on the tiny model (tests/pd_pair.py), the
+decode one pulling through a TCP relay that can drop the stream: every block freed on both
+sides, no staging byte left without waiting for a lease, and the right tokens (pulled or
+recomputed, as `EXPECTED` says) or an abort. Across processes with SIGKILL: tests/test_faults.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import cast
 
 import grpc
 import pytest
 import pytest_asyncio
 import torch
-from pd_pair import ObservedRegistry
+from pd_pair import MAX_STEPS, PREFILL_PARAMS, PROMPTS, WAIT, ObservedRegistry, Pair, Relay, dead_address, drive_decode, drive_prefill, pd_pair, relay
 
+from kvservice.connector import wire
+from kvservice.connector.base import TRANSFER_TOKEN
 from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS, KVTransferService
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import StagedTransfer
+from kvservice.engine import RequestOutput
 from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.outputs import KVTransferCounters
+from kvservice.v1 import kvservice_pb2 as pb
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
@@ -218,3 +225,187 @@ async def test_every_state_survives_every_fault(prefill: Prefill, state: str, fa
     finally:
         if decode is not None:
             await decode.close()
+
+
+class _Context:
+    """The one part of a servicer context PullKV touches when it succeeds."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise AssertionError(f"PullKV aborted: {code.name}: {details}")
+
+
+async def test_a_release_while_the_done_frame_is_on_its_way_is_a_no_op(prefill: Prefill) -> None:
+    """The decode side can read the done frame before the prefill side's stream has ended, and
+    the router's ReleaseKV follows at once: it must find the transfer delivered and freed, not
+    fail it under the finished pull (seen as a 1-in-20 flake of late_duplicate_completion)."""
+    prefill.finish(prefill.register())
+    request = pb.PullKVRequest(
+        request_id="r", transfer_token=TOKEN, num_layers=LAYOUT.num_layers, block_size=LAYOUT.block_size,
+        num_kv_heads=LAYOUT.num_kv_heads, head_dim=LAYOUT.head_dim, dtype=wire.dtype_name(LAYOUT.dtype),
+    )
+    frames = KVTransferService(prefill.registry).pull_kv(request, cast(grpc.aio.ServicerContext, _Context()))
+    async for frame in frames:
+        if wire.decode_frame(frame).done is not None:
+            break  # the stream is suspended right after handing over its done frame
+    else:
+        raise AssertionError("no done frame")
+    assert prefill.registry.release("r", TOKEN) is False
+    assert prefill.staging_bytes == 0 and prefill.registry.num_transfers == 0
+    assert [frame async for frame in frames] == []  # and the stream ends OK
+
+
+# ---------------------------------------------------------------- the decode side
+#
+# Two engines on the tiny model (tests/pd_pair.py): the decode engine pulls from the prefill
+# engine's PullKV server through a TCP relay, which can drop the stream. Each state is
+# entered for real (the pull waiting for the registration, streaming, done; a failed pull's
+# recompute; an abort mid-pull), then the fault hits; both engines then run to the end.
+
+DECODE_STATES = ["waiting", "pulling", "loaded", "recompute", "aborted_while_pulling"]
+DECODE_REGISTRATION_TIMEOUT_S = 3.0  # a pull left waiting for a prefill that never comes ends here
+# What the decode side's client gets: "pulled" (the right tokens over the transferred KV),
+# "recomputed" (the right tokens after a failed pull), "aborted", or "dead" (the decode worker
+# itself was killed: only the prefill side is left to check).
+EXPECTED: dict[str, dict[str, str]] = {
+    "waiting": {
+        "client_abort": "aborted", "kill_prefill": "recomputed", "kill_decode": "dead",
+        "dropped_stream": "recomputed", "lease_expiry": "recomputed", "late_duplicate_completion": "pulled",
+    },
+    "pulling": {
+        "client_abort": "aborted", "kill_prefill": "recomputed", "kill_decode": "dead",
+        "dropped_stream": "recomputed", "lease_expiry": "pulled", "late_duplicate_completion": "pulled",
+    },
+    "loaded": {
+        "client_abort": "aborted", "kill_prefill": "pulled", "kill_decode": "dead",
+        "dropped_stream": "pulled", "lease_expiry": "pulled", "late_duplicate_completion": "pulled",
+    },
+    "recompute": {
+        "client_abort": "aborted", "kill_prefill": "recomputed", "kill_decode": "dead",
+        "dropped_stream": "recomputed", "lease_expiry": "recomputed", "late_duplicate_completion": "recomputed",
+    },
+    "aborted_while_pulling": dict.fromkeys(FAULTS, "aborted") | {"kill_decode": "dead"},
+}
+DECODE_PROMPT = PROMPTS[4]  # 30 tokens: two prefill steps of 16, 4 blocks
+
+
+@dataclass
+class Handoff:
+    """One request, "r", handed from the prefill engine to the decode engine."""
+
+    pair: Pair
+    relay: Relay
+    token: bytes = TOKEN
+    has_prefill: bool = False  # the prefill request reached the prefill engine
+    is_prefill_dead: bool = False
+    is_decode_dead: bool = False
+
+    def add_prefill(self) -> None:
+        self.pair.registry.register("r", self.token, len(DECODE_PROMPT))
+        self.pair.prefill.add_request(DECODE_PROMPT, PREFILL_PARAMS, "r", {TRANSFER_TOKEN: self.token})
+        self.has_prefill = True
+
+    def add_decode(self, address: str | None = None) -> None:
+        self.pair.add_decode("r", DECODE_PROMPT, address or self.relay.address, self.token)
+
+    async def step_decode_until(self, condition: Callable[[], bool], what: str) -> None:
+        """Step the decode engine until `condition` holds, waiting for loads when only they can change it."""
+        for _ in range(MAX_STEPS):
+            if condition():
+                return
+            self.pair.load_done.clear()
+            if not await asyncio.to_thread(self.pair.decode.step) and not condition():
+                await asyncio.wait_for(self.pair.load_done.wait(), WAIT)
+        raise AssertionError(f"decode side never {what}")
+
+
+async def _enter_decode_state(h: Handoff, state: str) -> None:
+    sched = h.pair.decode.scheduler
+    if state == "recompute":
+        h.add_decode(dead_address())  # the prefill never comes: the pull fails at once
+        await h.step_decode_until(lambda: h.pair.decode_connector.stats.num_failed_transfers == 1 and "r" not in sched.waiting_for_remote_kv, "gave the pull up")
+        return
+    if state != "waiting":
+        h.add_prefill()
+    h.add_decode()
+    await asyncio.to_thread(h.pair.decode.step)  # blocks allocated, the pull started
+    assert "r" in sched.waiting_for_remote_kv
+    await asyncio.wait_for(h.pair.registry.pull_arrived.wait(), WAIT)
+    if state == "waiting":
+        return
+    await asyncio.wait_for(h.pair.registry.pull_started.wait(), WAIT)
+    await asyncio.to_thread(h.pair.prefill.step)  # the first 16 tokens staged: the pull streams them
+    if state == "aborted_while_pulling":
+        assert h.pair.decode.abort_request("r")
+    elif state == "loaded":
+        await drive_prefill(h.pair)
+        await h.step_decode_until(lambda: any(r.request_id == "r" for r in sched.running), "loaded the KV")
+
+
+async def _inject_decode_fault(h: Handoff, fault: str) -> None:
+    if fault == "client_abort":
+        # The proxy cancels both calls: each worker aborts its request.
+        h.pair.decode.abort_request("r")
+        if h.has_prefill:
+            h.pair.prefill.abort_request("r")
+    elif fault == "kill_prefill":
+        await h.pair.server.stop(None)  # connections reset; its memory dies with it
+        h.is_prefill_dead = True
+    elif fault == "kill_decode":
+        await asyncio.to_thread(h.pair.decode_connector.shutdown)  # its pulls and connections die with it
+        h.is_decode_dead = True
+    elif fault == "dropped_stream":
+        h.relay.cut()
+    elif fault == "lease_expiry":
+        transfer = h.pair.registry.get("r")
+        is_pulling = transfer is not None and transfer.is_pull_active
+        expired = h.pair.registry.expire(now=time.monotonic() + 2 * h.pair.registry.lease_seconds)
+        assert not (is_pulling and "r" in expired), "the lease expired under a streaming pull"
+    elif fault == "late_duplicate_completion" and not h.has_prefill:
+        h.add_prefill()  # the prefill arrives (or completes) after the decode side moved on
+
+
+def _assert_decode_free(h: Handoff) -> None:
+    engine = h.pair.decode
+    assert engine.num_free_blocks == engine.num_blocks and engine.scheduler.kv.block_tables == {}, "decode blocks leaked"
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("state", DECODE_STATES)
+async def test_every_decode_state_survives_every_fault(state: str, fault: str, reference: list[list[int]]) -> None:
+    expected = EXPECTED[state][fault]
+    async with pd_pair(registration_timeout=DECODE_REGISTRATION_TIMEOUT_S) as pair, relay(pair.address) as cut:
+        h = Handoff(pair, cut)
+        await _enter_decode_state(h, state)
+        await _inject_decode_fault(h, fault)
+        # Both sides run to the end (the prefill engine unless it was killed).
+        runs: list[Awaitable[dict[str, RequestOutput]]] = []
+        if not h.is_decode_dead:
+            runs.append(asyncio.wait_for(drive_decode(pair), WAIT))
+        if h.has_prefill and not h.is_prefill_dead:
+            runs.append(asyncio.wait_for(drive_prefill(pair), WAIT))
+        outputs = await asyncio.gather(*runs)
+        stats = pair.decode_connector.stats
+        if not h.is_decode_dead:
+            out = outputs[0]["r"]
+            if expected == "aborted":
+                assert out.finish_reason == "abort", out
+            else:
+                assert out.error is None and out.token_ids == reference[4], out
+                num_failed = 1 if expected == "recomputed" else 0
+                assert stats.num_failed_transfers == num_failed, f"expected the KV {expected}, {stats}"
+            _assert_decode_free(h)
+        else:
+            assert expected == "dead"
+        if h.is_prefill_dead:
+            return  # its staging died with it
+        if fault == "late_duplicate_completion" and h.has_prefill:
+            pair.registry.complete("r", 0)  # late and duplicated: a no-op
+        # The proxy's ReleaseKV once the decode stream ended; a pulled transfer is gone already.
+        was_staged = pair.registry.release("r", h.token)
+        if expected == "pulled":
+            assert not was_staged, "staging outlived a completed pull"
+        try:
+            await asyncio.wait_for(pair.registry.wait_until_empty(), WAIT)
+        except TimeoutError:
+            raise AssertionError(f"{pair.registry.pool.bytes_in_use} staging bytes left after {fault} in {state}") from None
+        assert pair.prefill.num_free_blocks == pair.prefill.num_blocks, "prefill blocks leaked"

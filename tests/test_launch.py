@@ -58,6 +58,17 @@ def test_launch_rejects_a_bad_engine_flag_before_starting_workers(capsys: pytest
     assert "block_size must be a power of two, got 24" in capsys.readouterr().err
 
 
+def test_worker_peer_names_given_to_launch_reach_every_worker() -> None:
+    args = _parse(launch.add_arguments, "--worker-peer-names", "kvservice", "proxy.internal", "--", "--num-threads", "1")
+    worker = _parse(worker_server.add_arguments, "--role", "prefill", *launch.worker_argv(args))
+    assert worker.worker_peer_names == ["kvservice", "proxy.internal"]
+
+
+def test_launch_refuses_worker_peer_names_without_mutual_tls(capsys: pytest.CaptureFixture[str]) -> None:
+    assert launch.main(_parse(launch.add_arguments, "--worker-peer-names", "kvservice")) == 2
+    assert "--worker-peer-names needs mutual TLS" in capsys.readouterr().err
+
+
 def test_launch_refuses_an_unknown_dtype() -> None:
     with pytest.raises(SystemExit):
         _parse(launch.add_arguments, "--dtype", "float8")

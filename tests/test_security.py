@@ -1,7 +1,8 @@
 """TLS, mutual TLS and the bearer token across processes; KV pulls need their transfer's token.
 
 One 1P1D cluster on the tiny model with mutual TLS on every channel (client -> proxy,
-proxy -> workers, decode -> prefill) and a bearer token on the proxy's client API.
+proxy -> workers, decode -> prefill), a bearer token on the proxy's client API, and
+workers that admit only the workers' own certificate identity (`--worker-peer-names`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import pytest_asyncio
-from conftest import local_cluster, tiny_pull_request
+from conftest import WORKER_RPCS, local_cluster, tiny_pull_request, worker_calls
 
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
@@ -33,6 +34,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: E402
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 
 TOKEN = "s3cret-token"
+WORKER_NAME = "kvservice"  # the common name of every process's certificate (pki["server"])
 BLOCK_SIZE = 16
 WORKER_ARGS = ["--num-blocks", "64", "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "8", "--num-threads", "1", "--grace-period", "2"]
 PROMPTS = [[5, 9, 11, 3, 7, 2, 8, 1, 4, 6, 10, 12, 13, 14, 15, 16, 17, 18], [40, 41, 42, 43, 44], list(range(20, 60))]
@@ -86,7 +88,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TLSFiles]:
     ca_key, ca_cert = _certificate("kvservice test CA", None, None, is_ca=True)
     ca_path = root / "ca.pem"
     ca_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    server_key, server_cert = _certificate("kvservice", ca_key, ca_cert.subject, is_ca=False, san=True)
+    server_key, server_cert = _certificate(WORKER_NAME, ca_key, ca_cert.subject, is_ca=False, san=True)
     client_key, client_cert = _certificate("a client", ca_key, ca_cert.subject, is_ca=False)
     rogue_ca_key, rogue_ca_cert = _certificate("rogue CA", None, None, is_ca=True)
     rogue_key, rogue_cert = _certificate("a rogue client", rogue_ca_key, rogue_ca_cert.subject, is_ca=False)
@@ -102,7 +104,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TLSFiles]:
 async def cluster(pki: dict[str, TLSFiles]) -> AsyncIterator[LocalCluster]:
     tls = pki["server"].to_args()
     async with local_cluster(
-        "tiny", num_prefill=1, num_decode=1, worker_args=[*WORKER_ARGS, *tls], proxy_args=[*tls, "--auth-token", TOKEN, "--http-port", "0"],
+        "tiny", num_prefill=1, num_decode=1, worker_args=[*WORKER_ARGS, *tls, "--worker-peer-names", WORKER_NAME], proxy_args=[*tls, "--auth-token", TOKEN, "--http-port", "0"],
         client_credentials=pki["client"].channel_credentials(), grace_period=2,
     ) as c:
         yield c
@@ -159,6 +161,25 @@ async def test_right_token_and_certificate_work(cluster: LocalCluster, pki: dict
     assert len(completion.token_ids) == 3
     assert {w.address for w in stats.workers} == {*cluster.prefill_addresses, *cluster.decode_addresses}
     assert all(w.is_healthy for w in stats.workers)
+    # The proxy's and the decode worker's certificate names a worker: the KV came over the pull.
+    [decode] = [w.stats for w in stats.workers if w.address in cluster.decode_addresses]
+    assert decode.kv_receiving.num_transfers >= 1 and decode.kv_receiving.num_failed_transfers == 0
+
+
+async def test_a_client_certificate_cannot_call_a_worker(cluster: LocalCluster, pki: dict[str, TLSFiles]) -> None:
+    """Signed by the same CA, but not named in --worker-peer-names: every worker RPC but health is refused."""
+    for role, address in [("prefill", cluster.prefill_addresses[0]), ("decode", cluster.decode_addresses[0])]:
+        async with grpc.aio.secure_channel(address, pki["client"].channel_credentials()) as channel:
+            calls = worker_calls(channel)
+            for name in WORKER_RPCS[role]:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await calls[name]()
+                assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED, (role, name, refused.value)
+                assert "--worker-peer-names" in (refused.value.details() or "")
+        async with KVServiceClient(address, pki["client"].channel_credentials()) as client:
+            assert await client.health() == "SERVING"  # probes need no worker identity
+        async with KVServiceClient(address, pki["server"].channel_credentials()) as worker:
+            assert (await worker.stats()).num_blocks_total > 0  # a worker's identity is let through
 
 
 async def test_worker_refuses_plaintext_and_rogue_peers(cluster: LocalCluster, pki: dict[str, TLSFiles]) -> None:
@@ -191,9 +212,9 @@ async def _pull(channel: grpc.aio.Channel, request: pb.PullKVRequest, timeout: f
 
 
 async def test_kv_pull_needs_the_transfer_token(cluster: LocalCluster, pki: dict[str, TLSFiles]) -> None:
-    """A peer with a valid certificate still gets no KV without the transfer's own token."""
+    """A peer with a worker's certificate still gets no KV without the transfer's own token."""
     address = cluster.prefill_addresses[0]
-    async with grpc.aio.secure_channel(address, pki["client"].channel_credentials(), options=GRPC_OPTIONS) as channel:
+    async with grpc.aio.secure_channel(address, pki["server"].channel_credentials(), options=GRPC_OPTIONS) as channel:
         # Never registered: refused (or left to its registration deadline), never data.
         frames, code = await _pull(channel, tiny_pull_request(BLOCK_SIZE, secrets.token_hex(8), secrets.token_bytes(16)), timeout=3)
         assert frames == [] and code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.DEADLINE_EXCEEDED)

@@ -11,6 +11,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -86,25 +87,37 @@ class KVTransferService:
         except TransferDenied as e:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         start = time.perf_counter()
-        ok = False
+        is_sent = is_delivered = False
+        sent = _Sent()
         try:
-            async for frame in self._frames(transfer, changed):
+            async for frame in self._frames(transfer, changed, sent):
                 yield frame
-            ok = True
+            is_sent = True
         finally:
-            self.registry.end_pull(transfer, changed)
+            # Ended before the done frame goes out (it needs nothing staged): the staging is
+            # freed now, and a release or abort that arrives while the done frame is on its
+            # way finds a delivered transfer, not one to fail under a finished pull.
+            is_delivered = self.registry.end_pull(transfer, changed) and is_sent
             self.stats.num_transfers += 1
             self.stats.total_seconds += time.perf_counter() - start
-            if not ok:
+            if not is_delivered:
                 self.stats.num_failed_transfers += 1
-        if transfer.state is TransferState.FAILED:
+        if not is_delivered:
             await context.abort(grpc.StatusCode.ABORTED, transfer.error or "transfer failed")
+        assert transfer.first_token_id is not None
+        yield wire.encode_done(
+            request_id=transfer.request_id,
+            first_token_id=transfer.first_token_id,
+            num_chunks=sent.num_chunks,
+            num_bytes=sent.num_bytes,
+            num_tokens=transfer.num_tokens,
+        )
 
-    async def _frames(self, transfer: StagedTransfer, changed: asyncio.Event) -> AsyncIterator[bytes]:
+    async def _frames(self, transfer: StagedTransfer, changed: asyncio.Event, sent: _Sent) -> AsyncIterator[bytes]:
         """The chunks the puller needs (those ending past its first block) as they are
-        published, then the done frame."""
-        num_seen = num_sent = 0
-        num_bytes = 0
+        published, counted in `sent`; ends once all are sent and the transfer is complete,
+        or when it failed."""
+        num_seen = 0
         layout = self.registry.layout
         buffer = transfer.buffer.tensor
         while True:
@@ -132,21 +145,11 @@ class KVTransferService:
                 if self._corrupt_every > 0 and (self.stats.num_chunks + 1) % self._corrupt_every == 0:
                     frame = _flip_last_byte(frame)  # the payload ends the frame
                 yield frame
-                num_sent += 1
-                num_bytes += len(payload)
+                sent.num_chunks += 1
+                sent.num_bytes += len(payload)
                 self.stats.num_chunks += 1
                 self.stats.num_bytes += len(payload)
-            if state is TransferState.FAILED:
-                return
-            if state is TransferState.COMPLETE and not chunks:
-                assert transfer.first_token_id is not None
-                yield wire.encode_done(
-                    request_id=transfer.request_id,
-                    first_token_id=transfer.first_token_id,
-                    num_chunks=num_sent,
-                    num_bytes=num_bytes,
-                    num_tokens=transfer.num_tokens,
-                )
+            if state is TransferState.FAILED or (state is TransferState.COMPLETE and not chunks):
                 return
             if not chunks:
                 # Wake on the next publish, or renew the lease while the prefill runs.
@@ -154,6 +157,14 @@ class KVTransferService:
                     await asyncio.wait_for(changed.wait(), self.registry.lease_seconds / 3)
                 except TimeoutError:
                     pass
+
+
+@dataclass(slots=True)
+class _Sent:
+    """What one pull sent: the done frame reports it."""
+
+    num_chunks: int = 0
+    num_bytes: int = 0
 
 
 def _flip_last_byte(frame: bytes) -> bytes:

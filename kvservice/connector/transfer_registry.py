@@ -329,8 +329,9 @@ class TransferRegistry:
             transfer = self._transfers.get(request_id)
             return transfer.first_block if transfer is not None else 0
 
-    def end_pull(self, transfer: StagedTransfer, event: asyncio.Event) -> None:
-        """The pull ended (sent everything, failed or was cancelled): the transfer is done with."""
+    def end_pull(self, transfer: StagedTransfer, event: asyncio.Event) -> bool:
+        """The pull ended (sent everything, failed or was cancelled): the transfer is done with.
+        Returns whether it was complete then (not failed): only then may the done frame go."""
         with self._lock:
             transfer.waiters = [w for w in transfer.waiters if w[1] is not event]
             transfer.is_pull_active = False
@@ -338,9 +339,11 @@ class TransferRegistry:
             if transfer.state is TransferState.STAGING:
                 transfer.state = TransferState.FAILED
                 transfer.error = "the pull ended before the transfer completed"
+            is_complete = transfer.state is TransferState.COMPLETE
             release = self._should_release(transfer)
         if release:
             self._release(transfer)
+        return is_complete
 
     # ------------------------------------------------------------ leases
 
