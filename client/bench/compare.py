@@ -20,15 +20,14 @@ from typing import Any
 import grpc
 
 from kvservice.client.bench.metrics import RequestRecord
+from kvservice.client.bench.runner import Workload, result_json
 from kvservice.client.bench.serve import (
-    result_json,
     result_path,
     run_benchmark_with_args,
-    sample_requests,
+    sample_workload,
     workload_settings,
     write_json,
 )
-from kvservice.client.bench.workload import SampledRequest
 from kvservice.client.bench.workload_args import add_workload_arguments
 from kvservice.client.cluster import LocalCluster
 
@@ -113,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        requests = sample_requests(args, args.tokenizer or args.model)
+        requests = sample_workload(args, args.tokenizer or args.model)
     except (ValueError, OSError) as e:
         print(f"kvservice bench compare: error: {e}", file=sys.stderr)
         return 2
@@ -148,7 +147,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def _compare(
-    args: argparse.Namespace, requests: list[SampledRequest], plan: CorePlan
+    args: argparse.Namespace, requests: Workload, plan: CorePlan
 ) -> tuple[dict[str, dict[str, Any]], dict[str, list[RequestRecord]]]:
     worker_args = [a for a in args.worker_args if a != "--"]
     deployments = {
