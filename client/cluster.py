@@ -33,7 +33,13 @@ _METRICS = re.compile(r"metrics on (\S+:\d+)")
 
 
 class LaunchError(RuntimeError):
-    pass
+    """A child did not become ready: `child` names it (`proxy`, `prefill-0`, ...); `returncode` is its exit
+    code where it exited (argparse exits with 2 on a flag it does not know), None where it hung."""
+
+    def __init__(self, message: str, child: str, returncode: int | None = None) -> None:
+        super().__init__(message)
+        self.child = child
+        self.returncode = returncode
 
 
 @dataclass(eq=False)
@@ -133,11 +139,11 @@ class LocalCluster:
         try:
             line = await asyncio.wait_for(process.stdout.readline(), self.startup_timeout)
         except TimeoutError:
-            raise LaunchError(f"{name} did not report ready within {self.startup_timeout:.0f} s") from None
+            raise LaunchError(f"{name} did not report ready within {self.startup_timeout:.0f} s", name) from None
         match = _READY.search(line.decode(errors="replace"))
         if match is None:
             code = await process.wait()
-            raise LaunchError(f"{name} exited with code {code} before it was ready ({' '.join(cmd)})")
+            raise LaunchError(f"{name} exited with code {code} before it was ready ({' '.join(cmd)})", name, code)
         child.address = match.group(1)
         for pattern, attribute in ((_HTTP, "http_address"), (_METRICS, "metrics_address")):
             found = pattern.search(line.decode(errors="replace"))

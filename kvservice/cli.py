@@ -36,6 +36,8 @@ BENCHMARKS: dict[str, tuple[str, str, str, str]] = {
               "load a server with a vLLM-style workload: TTFT/TTST/TPOT/ITL/E2EL, throughput, KV transfer"),
     "compare": ("kvservice.client.bench.compare", "add_arguments", "main",
                 "disaggregated (1 prefill core + 1 decode core) vs colocated (2 cores): same workload, side by side"),
+    "prefix": ("kvservice.client.bench.prefix", "add_arguments", "main",
+               "prefix caching off vs on, by routing (1 prefill + 2 decode each): same workload, side by side with ratios"),
     "transfer": ("kvservice.client.bench.transfer", "add_arguments", "main",
                  "KV transfer over gRPC PullKV vs raw TCP, tensor to tensor across processes"),
     "spec": ("kvservice.client.bench.spec", "add_arguments", "main",

@@ -169,3 +169,23 @@ def test_report_layout() -> None:
     ):
         assert expected in lines
     assert "goodput" not in format_report(_metrics(), [])
+
+
+def test_multi_turn_ttft_splits_first_turns_from_later_ones() -> None:
+    def turn(turn: int, ttft: float, success: bool = True) -> RequestRecord:
+        return RequestRecord(f"r{turn}-{ttft}", prompt_len=4, start=0.0, output_len=1, token_times=[ttft], end=ttft, success=success, turn=turn)
+
+    records = [turn(0, 0.4), turn(1, 0.1), turn(0, 0.6), turn(1, 0.2), turn(2, 0.3), turn(2, 9.0, success=False)]
+    metrics = compute_metrics(records, duration_s=1.0)
+    result = metrics_to_result_json(metrics, records, {})
+    assert result["mean_ttft_first_turn_ms"] == pytest.approx(500.0)
+    assert result["p99_ttft_first_turn_ms"] == pytest.approx(598.0)  # linear interpolation of 400, 600
+    assert result["mean_ttft_later_turns_ms"] == pytest.approx(200.0)  # the failed turn does not count
+    assert result["p99_ttft_later_turns_ms"] == pytest.approx(298.0)
+    report = format_report(metrics)
+    assert "Mean TTFT, first turns (ms):" in report and "P99 TTFT, later turns (ms):" in report
+
+    single_turn = compute_metrics(_records(), duration_s=1.0)
+    assert single_turn.ttft_first_turn is None and single_turn.ttft_later_turns is None
+    assert "mean_ttft_first_turn_ms" not in metrics_to_result_json(single_turn, _records(), {})
+    assert "first turns" not in format_report(single_turn)

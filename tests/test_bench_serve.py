@@ -17,10 +17,8 @@ from conftest import local_cluster
 
 from kvservice.client.bench import serve as bench_serve
 from kvservice.client.bench.compare import format_compare_table, plan_cores
-from kvservice.client.bench.metrics import KVTransferTotals, kv_transfer_report_lines
 from kvservice.client.bench.workload_args import DEFAULT_VOCAB_SIZE
 from kvservice.tokenizer import ByteTokenizer
-from kvservice.v1 import kvservice_pb2 as pb
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _LATENCIES = ("ttft", "tpot", "itl", "e2el", "ttst")
@@ -73,25 +71,43 @@ async def test_bench_serve_on_a_prefill_decode_pair(tmp_path: Path, capsys: pyte
         assert (plot_dir / name).read_bytes()[:8] == _PNG_MAGIC
 
 
-def test_kv_transfer_totals_sum_the_proxys_decode_workers() -> None:
-    def worker(role: str, num_transfers: int, num_bytes: int, seconds: float) -> pb.WorkerStats:
-        received = pb.KVTransferStats(num_transfers=num_transfers, num_bytes=num_bytes, total_seconds=seconds)
-        return pb.WorkerStats(address=role, stats=pb.StatsResponse(role=role, kv_receiving=received))
+@pytest.mark.slow
+async def test_bench_serve_prefix_repetition_and_multi_turn_on_a_prefill_decode_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prefix_file, multi_file = tmp_path / "prefix.json", tmp_path / "multi.json"
+    async with local_cluster("tiny", num_prefill=1, num_decode=1) as cluster:
+        prefix = _serve_args(
+            "--target", cluster.address, "--dataset-name", "prefix_repetition", "--num-prompts", "4",
+            "--prefix-repetition-prefix-len", "32", "--prefix-repetition-suffix-len", "8", "--prefix-repetition-num-prefixes", "2",
+            "--prefix-repetition-output-len", "3", "--disable-tqdm", "--result-filename", str(prefix_file),
+        )
+        assert await asyncio.to_thread(bench_serve.main, prefix) == 0
+        prefix_report = capsys.readouterr().out
+        multi = _serve_args(
+            "--target", cluster.address, "--dataset-name", "multi_turn", "--multi-turn-num-conversations", "2",
+            "--multi-turn-turns", "3", "--multi-turn-input-len", "8", "--multi-turn-output-len", "4", "--max-concurrency", "2",
+            "--disable-tqdm", "--result-filename", str(multi_file),
+        )
+        assert await asyncio.to_thread(bench_serve.main, multi) == 0
+        multi_report = capsys.readouterr().out
 
-    # The proxy's own aggregate is ignored: the workers are the source of truth.
-    proxy = pb.StatsResponse(role="proxy", kv_receiving=pb.KVTransferStats(num_bytes=1),
-                             workers=[worker("prefill", 0, 0, 0.0), worker("decode", 3, 3_000_000, 0.5), worker("decode", 1, 1_000_000, 0.5)])
-    totals = KVTransferTotals.from_stats(proxy)
-    assert totals == KVTransferTotals(True, num_transfers=4, num_bytes=4_000_000, total_seconds=1.0)
-    figures = totals.since(KVTransferTotals(True, 1, 0, 1_000_000, 0.25)).to_result_json()
-    assert figures["kv_transfer_count"] == 3 and figures["kv_transfer_bytes"] == 3_000_000
-    assert figures["kv_transfer_gbps"] == pytest.approx(3_000_000 / 0.75 / 1e9)
-    assert figures["kv_transfer_mean_ms"] == pytest.approx(250.0)
+    result = json.loads(prefix_file.read_text())
+    assert result["completed"] == 4 and result["input_lens"] == [40] * 4 and result["output_lens"] == [3] * 4
+    assert result["prefix_repetition_num_prefixes"] == 2 and "multi_turn_turns" not in result
+    assert result["kv_transfer_count"] == 4 and result["kv_bytes_received_per_request"] == result["kv_transfer_bytes"] / 4 > 0
+    for key in ("prefix_cache_queries", "prefix_cache_hits", "prefill_prefix_cache_queries", "prefill_prefix_cache_hits"):
+        assert result[key] >= 0, key
+    assert "Prefix cache hit rate (tokens):" in prefix_report and "KV received per request (KiB):" in prefix_report
 
-    colocated = KVTransferTotals.from_stats(pb.StatsResponse(role="both")).to_result_json()
-    assert colocated["kv_transfer_has_receiver"] is False and colocated["kv_transfer_bytes"] == 0
-    assert colocated["kv_transfer_gbps"] is None and colocated["kv_transfer_mean_ms"] is None
-    assert kv_transfer_report_lines(colocated) == [("KV transfers:", "none (no decode worker)")]
+    result = json.loads(multi_file.read_text())
+    assert result["completed"] == 6 and result["failed"] == 0 and result["num_conversations"] == 2
+    turns = [(r["request_id"].split("-turn")[0], r["turn"], r["prompt_len"]) for r in result["requests"]]
+    for conversation in range(2):
+        first, second, third = turns[3 * conversation: 3 * conversation + 3]
+        assert first[0] == second[0] == third[0]
+        # Each turn resends the history: the previous prompt, its 4-token answer, then 8 new tokens.
+        assert [t[1:] for t in (first, second, third)] == [(0, 8), (1, 8 + 4 + 8), (2, 20 + 4 + 8)]
+    assert result["mean_ttft_first_turn_ms"] > 0 and result["p99_ttft_later_turns_ms"] > 0
+    assert "Mean TTFT, later turns (ms):" in multi_report
 
 
 @pytest.mark.parametrize("value", ["ttft", "latency:5", "ttft:fast", "tpot:-1", "e2el:inf"])
@@ -274,6 +290,12 @@ async def test_bench_serve_http_asks_for_a_tokenizer_when_the_served_model_is_no
 def test_bench_serve_names_the_missing_or_misplaced_address(argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_serve.main(_serve_args(*argv)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_multi_turn_needs_the_grpc_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    args = _serve_args("--backend", "openai", "--base-url", "http://127.0.0.1:1", "--dataset-name", "multi_turn")
+    assert bench_serve.main(args) == 2
+    assert "only --backend grpc streams" in capsys.readouterr().err
 
 
 def test_vllm_flag_names_are_aliases() -> None:

@@ -13,9 +13,11 @@ import pytest
 from kvservice.client.bench.workload import (
     SampledRequest,
     arrival_intervals,
+    prefix_repetition_requests,
     random_requests,
     request_arrivals,
     sharegpt_requests,
+    warm_up_requests,
 )
 
 
@@ -48,6 +50,41 @@ def test_random_is_fixed_by_seed_and_ratio_zero_is_exact() -> None:
 def test_random_rejects_bad_range_ratio(ratio: float) -> None:
     with pytest.raises(ValueError, match="range_ratio"):
         random_requests(1, 10, 10, ratio, 100, seed=0)
+
+
+def test_prefix_repetition_shares_each_prefix_among_its_requests_only() -> None:
+    reqs = prefix_repetition_requests(12, prefix_len=32, suffix_len=8, num_prefixes=3, output_len=5, vocab_size=50, seed=3)
+    assert len(reqs) == 12
+    assert {(r.prompt_len, r.expected_output_len) for r in reqs} == {(40, 5)}
+    assert all(0 <= t < 50 for r in reqs for t in r.prompt_token_ids)
+    by_prefix: dict[tuple[int, ...], list[list[int]]] = {}
+    for r in reqs:
+        by_prefix.setdefault(tuple(r.prompt_token_ids[:32]), []).append(r.prompt_token_ids[32:])
+    assert sorted(len(suffixes) for suffixes in by_prefix.values()) == [4, 4, 4]  # 3 prefixes, 4 requests each
+    assert len({tuple(s) for suffixes in by_prefix.values() for s in suffixes}) == 12  # every suffix its own
+    # Shuffled: the requests of one prefix are not sent back to back.
+    assert [tuple(r.prompt_token_ids[:32]) for r in reqs[:4]] != [tuple(reqs[0].prompt_token_ids[:32])] * 4
+
+
+def test_prefix_repetition_is_fixed_by_seed_and_checks_its_shape() -> None:
+    a = prefix_repetition_requests(6, 16, 4, 2, 3, 1000, seed=1)
+    assert a == prefix_repetition_requests(6, 16, 4, 2, 3, 1000, seed=1)
+    assert a != prefix_repetition_requests(6, 16, 4, 2, 3, 1000, seed=2)
+    with pytest.raises(ValueError, match="multiple of num_prefixes"):
+        prefix_repetition_requests(7, 16, 4, 2, 3, 1000, seed=1)
+    with pytest.raises(ValueError, match="prefix_len"):
+        prefix_repetition_requests(2, 0, 0, 1, 3, 1000, seed=1)
+
+
+def test_warm_ups_keep_the_shape_but_not_the_prefix() -> None:
+    reqs = random_requests(2, 64, 4, 0.0, 1000, seed=0)
+    warm = warm_up_requests(reqs, 3, seed=0)
+    assert [(w.prompt_len, w.expected_output_len) for w in warm] == [(64, 4)] * 3
+    for w, r in zip(warm, [reqs[0], reqs[1], reqs[0]]):
+        assert sorted(w.prompt_token_ids) == sorted(r.prompt_token_ids)  # same tokens,
+        assert w.prompt_token_ids[:16] != r.prompt_token_ids[:16]  # but not a block of the measured prompt's start
+    text = SampledRequest(prompt_len=2, expected_output_len=1, prompt="hi")
+    assert warm_up_requests([text], 1, seed=0) == [text]
 
 
 def test_sampled_request_needs_exactly_one_prompt() -> None:

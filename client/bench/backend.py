@@ -2,7 +2,7 @@
 
 A `Backend` is an async context manager that waits for its server, sends one
 `SampledRequest` and returns its `RequestRecord` (through `record_stream`, so every backend
-times tokens the same way), and reads the KV transfer counters where it can: the gRPC
+times tokens the same way), and reads the servers' KV transfer and prefix-cache counters where it can: the gRPC
 `Stats` RPC, which an HTTP server (kvservice's front, vLLM, SGLang) does not have.
 """
 
@@ -18,9 +18,10 @@ import time
 import aiohttp
 import grpc
 
-from kvservice.client.bench.metrics import KVTransferTotals, RequestRecord
+from kvservice.client.bench.metrics import RequestRecord
 from kvservice.client.bench.openai_stream import ENDPOINTS, record_openai_request, request_body
 from kvservice.client.bench.record import record_grpc_request
+from kvservice.client.bench.server_stats import ServerCounters
 from kvservice.client.bench.workload import SampledRequest
 from kvservice.client.client import KVServiceClient
 from kvservice.tls import TLSFiles, add_tls_arguments
@@ -55,8 +56,8 @@ class Backend(abc.ABC):
         """One greedy streamed request that generates `request.expected_output_len` tokens (EOS ignored)."""
 
     @abc.abstractmethod
-    async def kv_transfer_totals(self) -> KVTransferTotals | None:
-        """The decode side's KV transfer counters now; None where the backend cannot read them."""
+    async def server_counters(self) -> ServerCounters | None:
+        """The servers' KV transfer and prefix-cache counters now; None where the backend cannot read them."""
 
 
 class GrpcBackend(Backend):
@@ -81,8 +82,8 @@ class GrpcBackend(Backend):
             self.client, prompt, request_id, max_tokens=request.expected_output_len, prompt_len=request.prompt_len, timeout=timeout
         )
 
-    async def kv_transfer_totals(self) -> KVTransferTotals | None:
-        return KVTransferTotals.from_stats(await self.client.stats())
+    async def server_counters(self) -> ServerCounters | None:
+        return ServerCounters.from_stats(await self.client.stats())
 
 
 class OpenAIBackend(Backend):
@@ -169,10 +170,10 @@ class OpenAIBackend(Backend):
             prompt_len=request.prompt_len, api_key=self.api_key, timeout=timeout,
         )
 
-    async def kv_transfer_totals(self) -> KVTransferTotals | None:
+    async def server_counters(self) -> ServerCounters | None:
         if self.stats_client is None:
             return None
-        return KVTransferTotals.from_stats(await self.stats_client.stats())
+        return ServerCounters.from_stats(await self.stats_client.stats())
 
 
 # ---------------------------------------------------------------- the flags

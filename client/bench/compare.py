@@ -20,15 +20,15 @@ from typing import Any
 import grpc
 
 from kvservice.client.bench.metrics import RequestRecord
+from kvservice.client.bench.runner import Workload, result_json
 from kvservice.client.bench.serve import (
-    result_json,
     result_path,
     run_benchmark_with_args,
-    sample_requests,
+    sample_workload,
     workload_settings,
     write_json,
 )
-from kvservice.client.bench.workload import SampledRequest
+from kvservice.client.bench.table import cell, ratio, render
 from kvservice.client.bench.workload_args import add_workload_arguments
 from kvservice.client.cluster import LocalCluster
 
@@ -73,29 +73,17 @@ def plan_cores(available: Sequence[int]) -> CorePlan:
     return CorePlan(colocated=only, prefill=only, decode=only, note=note)
 
 
-def _cell(value: object) -> str:
-    return f"{value:.2f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
-
-
 def format_compare_table(results: dict[str, dict[str, Any]]) -> str:
     """The side-by-side table of two result JSONs, keyed BASELINE and CANDIDATE."""
     base, cand = results[BASELINE], results[CANDIDATE]
-    header = ("Metric", BASELINE, CANDIDATE, "disagg/coloc")
-    rows = [header]
-    rows.append(("Successful / failed requests", f"{base['completed']} / {base['failed']}", f"{cand['completed']} / {cand['failed']}", ""))
+    rows = [("Successful / failed requests", f"{base['completed']} / {base['failed']}", f"{cand['completed']} / {cand['failed']}", "")]
     for label, key in COMPARE_ROWS:
         a, b = float(base.get(key) or 0.0), float(cand.get(key) or 0.0)
-        rows.append((label, _cell(a), _cell(b), f"{b / a:.2f}x" if a > 0 else "n/a"))
+        rows.append((label, cell(a), cell(b), ratio(b, a)))
     gbps = cand.get("kv_transfer_gbps")
     mean_ms = cand.get("kv_transfer_mean_ms")
     rows.append(("KV transfer (GB/s, mean ms)", "none", "none" if gbps is None else f"{gbps:.3f}, {mean_ms:.1f}", ""))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in enumerate(zip(row, widths)))
-        for row in rows
-    ]
-    rule = "=" * len(lines[0])
-    return "\n".join([rule, lines[0], "-" * len(lines[0]), *lines[1:], rule])
+    return render(("Metric", BASELINE, CANDIDATE, "disagg/coloc"), rows)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        requests = sample_requests(args, args.tokenizer or args.model)
+        requests = sample_workload(args, args.tokenizer or args.model)
     except (ValueError, OSError) as e:
         print(f"kvservice bench compare: error: {e}", file=sys.stderr)
         return 2
@@ -148,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def _compare(
-    args: argparse.Namespace, requests: list[SampledRequest], plan: CorePlan
+    args: argparse.Namespace, requests: Workload, plan: CorePlan
 ) -> tuple[dict[str, dict[str, Any]], dict[str, list[RequestRecord]]]:
     worker_args = [a for a in args.worker_args if a != "--"]
     deployments = {

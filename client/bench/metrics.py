@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from kvservice.v1 import kvservice_pb2 as pb
-
 _MS_PER_S = 1000.0
 GOODPUT_METRICS = ("ttft", "ttst", "tpot", "e2el")
 
@@ -41,6 +39,8 @@ class RequestRecord:
     success: bool = False
     error: str = ""
     text: str = ""  # the streamed text, where the backend sends text
+    output_token_ids: list[int] = field(default_factory=list)  # where the backend streams ids (gRPC)
+    turn: int = 0  # 0: a conversation's first request (every request of a single-turn workload)
 
     @property
     def ttft(self) -> float | None:
@@ -115,6 +115,9 @@ class BenchmarkMetrics:
     tpot: LatencyStats
     itl: LatencyStats
     e2el: LatencyStats
+    # Multi-turn workloads only (None otherwise): later turns resend a history a prefix cache may hold.
+    ttft_first_turn: LatencyStats | None = None
+    ttft_later_turns: LatencyStats | None = None
 
 
 def validate_goodput_slos(slos: dict[str, float]) -> None:
@@ -167,6 +170,11 @@ def compute_metrics(
     itls = [gap for r in ok for gap in r.itls]
     total_input = sum(r.prompt_len for r in ok)
     total_output = sum(r.output_len for r in ok)
+    is_multi_turn = any(r.turn > 0 for r in records)
+
+    def turn_ttfts(is_first: bool) -> LatencyStats | None:
+        return LatencyStats.from_seconds([t for r in ok if (r.turn == 0) == is_first and (t := r.ttft) is not None]) if is_multi_turn else None
+
     goodput = None
     if goodput_slos:
         goodput = sum(_meets_slos(r, goodput_slos) for r in ok) / duration_s
@@ -185,10 +193,13 @@ def compute_metrics(
         tpot=LatencyStats.from_seconds(tpots),
         itl=LatencyStats.from_seconds(itls),
         e2el=LatencyStats.from_seconds([r.e2el for r in ok]),
+        ttft_first_turn=turn_ttfts(is_first=True),
+        ttft_later_turns=turn_ttfts(is_first=False),
     )
 
 
 _LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el", "ttst")
+_TURN_METRICS = ("ttft_first_turn", "ttft_later_turns")
 
 
 def metrics_to_result_json(
@@ -218,6 +229,11 @@ def metrics_to_result_json(
         result[f"std_{name}_ms"] = stats.std_ms
         result[f"p90_{name}_ms"] = stats.p90_ms
         result[f"p99_{name}_ms"] = stats.p99_ms
+    for name in _TURN_METRICS:
+        turn_stats: LatencyStats | None = getattr(metrics, name)
+        if turn_stats is not None:
+            result[f"mean_{name}_ms"] = turn_stats.mean_ms
+            result[f"p99_{name}_ms"] = turn_stats.p99_ms
     result["input_lens"] = [r.prompt_len for r in records]
     result["output_lens"] = [r.output_len if r.success else 0 for r in records]
     result["ttfts"] = [r.ttft if r.ttft is not None else 0.0 for r in records]
@@ -267,77 +283,10 @@ def format_report(metrics: BenchmarkMetrics, extra_lines: Sequence[tuple[str, st
         lines.append(_row(f"Median {short} (ms):", stats.median_ms))
         lines.append(_row(f"P90 {short} (ms):", stats.p90_ms))
         lines.append(_row(f"P99 {short} (ms):", stats.p99_ms))
+        if name == "ttft" and metrics.ttft_first_turn is not None and metrics.ttft_later_turns is not None:
+            for turns, turn_stats in (("first turns", metrics.ttft_first_turn), ("later turns", metrics.ttft_later_turns)):
+                lines.append(_row(f"Mean TTFT, {turns} (ms):", turn_stats.mean_ms))
+                lines.append(_row(f"P99 TTFT, {turns} (ms):", turn_stats.p99_ms))
     lines.append("=" * _BANNER_WIDTH)
     return "\n".join(lines)
 
-
-# ---------------------------------------------------------------- KV transfer figures
-
-
-@dataclass(frozen=True, slots=True)
-class KVTransferTotals:
-    """Decode-side (`kv_receiving`) counters; `has_receiver` is False for colocated servers."""
-
-    has_receiver: bool
-    num_transfers: int = 0
-    num_failed_transfers: int = 0
-    num_bytes: int = 0
-    total_seconds: float = 0.0
-
-    @classmethod
-    def from_stats(cls, stats: pb.StatsResponse) -> KVTransferTotals:
-        """A decode worker's own counters, or (for a proxy) the sum over its decode workers."""
-        sources = [w.stats for w in stats.workers] if stats.workers else [stats]
-        receivers = [s.kv_receiving for s in sources if s.role == "decode"]
-        return cls(
-            has_receiver=bool(receivers),
-            num_transfers=sum(r.num_transfers for r in receivers),
-            num_failed_transfers=sum(r.num_failed_transfers for r in receivers),
-            num_bytes=sum(r.num_bytes for r in receivers),
-            total_seconds=sum((r.total_seconds for r in receivers), 0.0),
-        )
-
-    def since(self, before: KVTransferTotals) -> KVTransferTotals:
-        return KVTransferTotals(
-            has_receiver=self.has_receiver,
-            num_transfers=self.num_transfers - before.num_transfers,
-            num_failed_transfers=self.num_failed_transfers - before.num_failed_transfers,
-            num_bytes=self.num_bytes - before.num_bytes,
-            total_seconds=self.total_seconds - before.total_seconds,
-        )
-
-    def to_result_json(self) -> dict[str, Any]:
-        """GB/s is bytes over summed transfer seconds; None where nothing was transferred.
-
-        A pull's seconds run from its start to its last chunk, and pulls start while
-        the prefill still computes: GB/s here is what the requests saw, not link speed.
-        """
-        has_time = self.num_transfers > 0 and self.total_seconds > 0
-        return {
-            "kv_transfer_bytes": self.num_bytes,
-            "kv_transfer_count": self.num_transfers,
-            "kv_transfer_failures": self.num_failed_transfers,
-            "kv_transfer_seconds": self.total_seconds,
-            "kv_transfer_gbps": self.num_bytes / self.total_seconds / 1e9 if has_time else None,
-            "kv_transfer_mean_ms": self.total_seconds / self.num_transfers * 1000 if has_time else None,
-            "kv_transfer_has_receiver": self.has_receiver,
-        }
-
-
-def kv_transfer_report_lines(extra: dict[str, Any]) -> list[tuple[str, object]]:
-    """Rows for `format_report` from `KVTransferTotals.to_result_json` keys (or `kv_transfer_note`)."""
-    if extra.get("kv_transfer_note"):
-        return [("KV transfers:", extra["kv_transfer_note"])]
-    if not extra.get("kv_transfer_has_receiver"):
-        return [("KV transfers:", "none (no decode worker)")]
-    lines: list[tuple[str, object]] = [
-        ("KV transfers (failed):", f"{extra['kv_transfer_count']} ({extra['kv_transfer_failures']})"),
-        ("KV bytes transferred (MiB):", extra["kv_transfer_bytes"] / (1 << 20)),
-    ]
-    if extra["kv_transfer_gbps"] is not None:
-        lines.append(("KV transfer throughput (GB/s):", f"{extra['kv_transfer_gbps']:.3f}"))
-        lines.append(("Mean KV transfer time (ms):", extra["kv_transfer_mean_ms"]))
-    return lines
-
-
-# ---------------------------------------------------------------- progress

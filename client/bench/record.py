@@ -25,6 +25,7 @@ class StreamedChunk:
     text: str = ""
     finish_reason: str | None = None
     num_prompt_tokens: int = 0  # the server's count, where it reports one
+    token_ids: tuple[int, ...] = ()  # where the backend streams ids (gRPC; HTTP streams text)
 
 
 async def record_stream(record: RequestRecord, chunks: AsyncIterator[StreamedChunk]) -> RequestRecord:
@@ -40,6 +41,7 @@ async def record_stream(record: RequestRecord, chunks: AsyncIterator[StreamedChu
             record.token_times.extend([now] * chunk.num_tokens)
             record.output_len += chunk.num_tokens
             record.text += chunk.text
+            record.output_token_ids.extend(chunk.token_ids)
             finish_reason = chunk.finish_reason or finish_reason
             if chunk.num_prompt_tokens:
                 record.prompt_len = chunk.num_prompt_tokens  # the server's count is the truth
@@ -60,7 +62,7 @@ async def grpc_chunks(
 ) -> AsyncIterator[StreamedChunk]:
     """`client.generate` as backend-neutral chunks."""
     async for chunk in client.generate(prompt, timeout=timeout, request_id=request_id, **params):
-        yield StreamedChunk(len(chunk.token_ids), chunk.text, chunk.finish_reason, chunk.num_prompt_tokens)
+        yield StreamedChunk(len(chunk.token_ids), chunk.text, chunk.finish_reason, chunk.num_prompt_tokens, tuple(chunk.token_ids))
 
 
 async def record_grpc_request(

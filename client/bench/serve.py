@@ -9,185 +9,46 @@ kvservice's front, vLLM, SGLang); see `backend.py`. vLLM's flag names are accept
 every request generates exactly the tokens the workload asks for; arrivals are
 gamma-distributed (`--request-rate`, `--burstiness`), optionally capped by
 `--max-concurrency`. On top of vLLM's figures it reports time to second token and
-the KV transfer the run caused, from the decode side's `Stats` before and after (gRPC
-only: over HTTP with `--stats-target`, the proxy's gRPC address).
+the KV transfer and prefix-cache hits the run caused, from the servers' `Stats` before and
+after (gRPC only: over HTTP with `--stats-target`, the proxy's gRPC address). Datasets:
+random, ShareGPT, prefix_repetition (shared prefixes) and multi_turn (conversations whose
+turns resend the history, gRPC only: a turn is built from the answer's token ids).
 
-`run_benchmark` is the reusable core (`bench compare` and the tests call it).
+The run itself is `runner.run_benchmark`; this module turns flags into a workload and a report.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
-import secrets
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import grpc
 
-from kvservice.client.bench.backend import GRPC, Backend, GrpcBackend, OpenAIBackend, add_backend_arguments, backend_from_args
-from kvservice.client.bench.metrics import (
-    BenchmarkMetrics,
-    RequestRecord,
-    compute_metrics,
-    format_report,
-    kv_transfer_report_lines,
-    metrics_to_result_json,
-)
+from kvservice.client.bench.backend import GRPC, GrpcBackend, OpenAIBackend, add_backend_arguments, backend_from_args
+from kvservice.client.bench.conversation import multi_turn_conversations
+from kvservice.client.bench.metrics import BenchmarkMetrics, RequestRecord, format_report
 from kvservice.client.bench.openai_stream import CHAT
+from kvservice.client.bench.runner import Workload, result_json, run_benchmark
+from kvservice.client.bench.server_stats import server_report_lines
 from kvservice.client.bench.tokenizer import is_local_tokenizer, load_tokenizer
 from kvservice.client.bench.workload import (
     SampledRequest,
+    prefix_repetition_requests,
     random_requests,
-    request_arrivals,
     sharegpt_requests,
 )
-from kvservice.client.bench.workload_args import add_workload_arguments
+from kvservice.client.bench.workload_args import MULTI_TURN, PREFIX_REPETITION, RANDOM, SHAREGPT, add_workload_arguments
 
 DEFAULT_NUM_PROMPTS = 100
-KV_NOT_MEASURED = "not measured (HTTP has no Stats; --stats-target HOST:PORT reads a kvservice proxy's)"
-
-
-class _Progress(Protocol):
-    def update(self, n: int = 1) -> object: ...
-    def close(self) -> None: ...
-
-
-class _TextProgress:
-    """A one-line `done/total` counter on stderr, for when tqdm is not installed."""
-
-    def __init__(self, total: int, disable: bool) -> None:
-        self.total, self.done, self.disable = total, 0, disable
-
-    def update(self, n: int = 1) -> None:
-        self.done += n
-        if not self.disable:
-            sys.stderr.write(f"\r{self.done}/{self.total} requests")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if not self.disable:
-            sys.stderr.write("\n")
-
-
-def _progress(total: int, disable: bool) -> _Progress:
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _TextProgress(total, disable)
-    return tqdm(total=total, unit="req", file=sys.stderr, disable=disable)
-
-
-# ---------------------------------------------------------------- the run
-
-
-async def _warm_up(backend: Backend, requests: Sequence[SampledRequest], num_warmups: int, timeout: float | None) -> None:
-    tag = secrets.token_hex(4)
-    records = await asyncio.gather(
-        *(backend.send(requests[i % len(requests)], f"warmup-{tag}-{i}", timeout) for i in range(num_warmups))
-    )
-    failed = [r for r in records if not r.success]
-    if failed:
-        raise RuntimeError(f"{len(failed)} of {num_warmups} warm-up requests failed; first: {failed[0].error}")
-
-
-async def run_benchmark(
-    backend: Backend,
-    requests: Sequence[SampledRequest],
-    request_rate: float = math.inf,
-    burstiness: float = 1.0,
-    max_concurrency: int | None = None,
-    *,
-    seed: int = 0,
-    num_warmups: int = 0,
-    goodput_slos: dict[str, float] | None = None,
-    request_timeout: float | None = None,
-    disable_tqdm: bool = True,
-) -> tuple[BenchmarkMetrics, list[RequestRecord], dict[str, Any]]:
-    """Send `requests` through `backend` (entered, ready) at the given arrival process and measure them.
-
-    Returns the metrics, one record per request in send order, and the extra result
-    fields: the run's settings and the KV transfer figures (`kv_transfer_*`) of the
-    measured requests only (warm-ups excluded), or `kv_transfer_note` where the backend
-    cannot read them. Request failures are recorded, not raised; a failed warm-up raises
-    RuntimeError.
-    """
-    if not requests:
-        raise ValueError("requests must not be empty")
-    if max_concurrency is not None and max_concurrency < 1:
-        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-    if num_warmups > 0:
-        await _warm_up(backend, requests, num_warmups, request_timeout)
-    kv_before = await backend.kv_transfer_totals()
-    limit: contextlib.AbstractAsyncContextManager[object] = (
-        asyncio.Semaphore(max_concurrency) if max_concurrency is not None else contextlib.nullcontext()
-    )
-    progress = _progress(len(requests), disable_tqdm)
-    tag = secrets.token_hex(4)
-
-    async def send(index: int, request: SampledRequest) -> RequestRecord:
-        # As vLLM: the arrival schedule is fixed; the concurrency cap delays sending.
-        async with limit:
-            record = await backend.send(request, f"bench-{tag}-{index}", request_timeout)
-        progress.update(1)
-        return record
-
-    benchmark_start = time.perf_counter()
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = []
-            async for request in request_arrivals(requests, request_rate, burstiness, seed):
-                tasks.append(group.create_task(send(len(tasks), request)))
-    finally:
-        progress.close()
-    duration = time.perf_counter() - benchmark_start
-    kv_after = await backend.kv_transfer_totals() if kv_before is not None else None
-    records = [task.result() for task in tasks]
-    metrics = compute_metrics(records, duration, goodput_slos)
-    extra: dict[str, Any] = {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": backend.name,
-        "target": backend.address,
-        "num_prompts": len(requests),
-        "request_rate": request_rate if math.isfinite(request_rate) else "inf",
-        "burstiness": burstiness,
-        "max_concurrency": max_concurrency,
-        "num_warmups": num_warmups,
-        "goodput_slos": goodput_slos,
-    }
-    if kv_before is not None and kv_after is not None:
-        extra.update(kv_after.since(kv_before).to_result_json())
-    else:
-        extra["kv_transfer_note"] = KV_NOT_MEASURED
-    return metrics, records, extra
-
-
-def result_json(metrics: BenchmarkMetrics, records: Sequence[RequestRecord], extra: dict[str, Any]) -> dict[str, Any]:
-    """`metrics_to_result_json` plus `requests`: each record, times in s since the first send."""
-    t0 = min((r.start for r in records), default=0.0)
-    per_request = [
-        {
-            "request_id": r.request_id,
-            "prompt_len": r.prompt_len,
-            "output_len": r.output_len,
-            "start": r.start - t0,
-            "token_times": [t - t0 for t in r.token_times],
-            "end": r.end - t0,
-            "success": r.success,
-            "error": r.error,
-        }
-        for r in records
-    ]
-    return {**metrics_to_result_json(metrics, records, extra), "requests": per_request}
 
 
 # ---------------------------------------------------------------- the command
@@ -202,13 +63,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def sample_requests(args: argparse.Namespace, tokenizer: str) -> list[SampledRequest]:
+def sample_workload(args: argparse.Namespace, tokenizer: str) -> Workload:
     """The workload the flags describe (`tokenizer` counts ShareGPT prompts); raises ValueError / OSError on bad input."""
-    if args.dataset == "sharegpt":
+    if args.dataset == SHAREGPT:
         if args.dataset_path is None:
             raise ValueError("--dataset sharegpt needs --dataset-path")
         encode = load_tokenizer(tokenizer).encode
         return sharegpt_requests(args.dataset_path, args.num_prompts, encode, args.seed, args.output_len)
+    if args.dataset == PREFIX_REPETITION:
+        return prefix_repetition_requests(
+            args.num_prompts, args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len, args.vocab_size, args.seed,
+        )
+    if args.dataset == MULTI_TURN:
+        return multi_turn_conversations(
+            args.multi_turn_num_conversations, args.multi_turn_turns, args.multi_turn_input_len,
+            args.multi_turn_output_len, args.vocab_size, args.seed,
+        )
     output_len = 128 if args.output_len is None else args.output_len
     return random_requests(args.num_prompts, args.input_len, output_len, args.range_ratio, args.vocab_size, args.seed)
 
@@ -221,7 +92,8 @@ def as_text_requests(requests: Sequence[SampledRequest], tokenizer: str) -> list
 
 
 def workload_settings(args: argparse.Namespace) -> dict[str, Any]:
-    return {
+    """The workload flags for the result file; a dataset's own flags only with that dataset."""
+    settings = {
         "dataset": args.dataset,
         "dataset_path": str(args.dataset_path) if args.dataset_path else None,
         "input_len": args.input_len,
@@ -229,6 +101,10 @@ def workload_settings(args: argparse.Namespace) -> dict[str, Any]:
         "range_ratio": args.range_ratio,
         "seed": args.seed,
     }
+    own = {PREFIX_REPETITION: "prefix_repetition_", MULTI_TURN: "multi_turn_"}.get(args.dataset)
+    if own is not None:
+        settings.update({name: value for name, value in vars(args).items() if name.startswith(own)})
+    return settings
 
 
 def result_path(args: argparse.Namespace, label: str, model: str) -> Path | None:
@@ -267,7 +143,7 @@ def main(args: argparse.Namespace) -> int:
         message = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
         print(f"kvservice bench serve: error: {message}", file=sys.stderr)
         return 1
-    print(format_report(metrics, kv_transfer_report_lines(extra)))
+    print(format_report(metrics, server_report_lines(extra)))
     path = result_path(args, args.backend, extra["model_id"])
     if path is not None:
         write_json(path, result_json(metrics, records, extra))
@@ -296,6 +172,8 @@ def _check_backend_flags(args: argparse.Namespace) -> None:
             raise UsageError(f"--backend {args.backend} needs --base-url URL (e.g. http://127.0.0.1:8080)")
         if args.target is not None:
             raise UsageError(f"--target is for --backend grpc; with --backend {args.backend}, --stats-target HOST:PORT reads the KV figures")
+        if args.dataset == MULTI_TURN:
+            raise UsageError("--dataset multi_turn builds each turn from the answer's token ids, which only --backend grpc streams")
 
 
 def _tokenizer_name(args: argparse.Namespace, model: str | None) -> str:
@@ -323,16 +201,16 @@ async def _run(args: argparse.Namespace) -> tuple[BenchmarkMetrics, list[Request
                 raise ValueError(f"{backend.address}/v1/models lists no model; give --model")
             backend.model = model = models[0]
         # The tokenizer is needed (and so resolved) only where the workload has text.
-        needs_text = args.backend == CHAT and args.dataset == "random"
-        tokenizer = _tokenizer_name(args, model) if args.dataset == "sharegpt" or needs_text else None
+        needs_text = args.backend == CHAT and args.dataset in (RANDOM, PREFIX_REPETITION)
+        tokenizer = _tokenizer_name(args, model) if args.dataset == SHAREGPT or needs_text else None
         try:
-            requests = sample_requests(args, tokenizer or "tiny")
+            workload = sample_workload(args, tokenizer or "tiny")
             if needs_text:
                 assert tokenizer is not None
-                requests = as_text_requests(requests, tokenizer)
+                workload = as_text_requests(workload, tokenizer)  # random, prefix_repetition: single requests
         except (ValueError, OSError) as e:  # OSError: an unreadable dataset or tokenizer file
             raise UsageError(str(e)) from None
-        metrics, records, extra = await run_benchmark(backend, requests, **_run_settings(args))
+        metrics, records, extra = await run_benchmark(backend, workload, **_run_settings(args))
     extra.update(model_id=model or "kvservice", tokenizer_id=tokenizer, **workload_settings(args))
     return metrics, records, extra
 
@@ -351,8 +229,8 @@ def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def run_benchmark_with_args(
-    target: str, requests: list[SampledRequest], args: argparse.Namespace
+    target: str, workload: Workload, args: argparse.Namespace
 ) -> tuple[BenchmarkMetrics, list[RequestRecord], dict[str, Any]]:
-    """`run_benchmark` over plaintext gRPC at `target` with the workload flags `bench serve` and `bench compare` share."""
+    """`run_benchmark` over plaintext gRPC at `target` with the workload flags the serving benchmarks share."""
     async with GrpcBackend(target) as backend:
-        return await run_benchmark(backend, requests, **_run_settings(args))
+        return await run_benchmark(backend, workload, **_run_settings(args))

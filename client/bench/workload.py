@@ -1,7 +1,7 @@
 """The benchmark workload: which prompts are sent, and when.
 
-Datasets and the arrival process follow vLLM's `bench serve` (random and ShareGPT
-datasets; gamma-distributed inter-arrival gaps, Poisson at burstiness 1) so a run
+Datasets and the arrival process follow vLLM's `bench serve` (random, prefix_repetition
+and ShareGPT datasets; gamma-distributed inter-arrival gaps, Poisson at burstiness 1) so a run
 here and a run against vLLM load the server the same way.
 """
 
@@ -12,9 +12,9 @@ import json
 import math
 import random
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -22,6 +22,8 @@ import numpy as np
 SHAREGPT_MIN_LEN = 4
 SHAREGPT_MAX_PROMPT_LEN = 1024
 SHAREGPT_MAX_TOTAL_LEN = 2048
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +89,55 @@ def random_requests(
         )
         for n_in, n_out in zip(input_lens, output_lens)
     ]
+
+
+def prefix_repetition_requests(
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    output_len: int,
+    vocab_size: int,
+    seed: int,
+) -> list[SampledRequest]:
+    """`num_prompts` token-id prompts, each one of `num_prefixes` shared random prefixes followed by
+    its own random suffix, in a seeded random order (vLLM's prefix_repetition set).
+
+    Every prefix serves `num_prompts / num_prefixes` requests (vLLM asks for an exact division too),
+    so a prefix cache can hit on all but its first use of each prefix.
+    """
+    _require_positive("num_prompts", num_prompts)
+    _require_positive("num_prefixes", num_prefixes)
+    _require_positive("output_len", output_len)
+    _require_positive("vocab_size", vocab_size)
+    if prefix_len < 0 or suffix_len < 0 or prefix_len + suffix_len < 1:
+        raise ValueError(f"prefix_len and suffix_len must be >= 0 with a sum >= 1, got {prefix_len} and {suffix_len}")
+    if num_prompts % num_prefixes != 0:
+        raise ValueError(f"num_prompts ({num_prompts}) must be a multiple of num_prefixes ({num_prefixes})")
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(num_prefixes):
+        prefix = rng.integers(0, vocab_size, size=prefix_len).tolist()
+        for _ in range(num_prompts // num_prefixes):
+            prompt = prefix + rng.integers(0, vocab_size, size=suffix_len).tolist()
+            requests.append(SampledRequest(len(prompt), output_len, prompt_token_ids=prompt))
+    return [requests[i] for i in rng.permutation(len(requests))]
+
+
+def warm_up_requests(requests: Sequence[SampledRequest], num_warmups: int, seed: int) -> list[SampledRequest]:
+    """`num_warmups` requests shaped as the first ones of `requests` (cycled), their token ids shuffled.
+
+    Same lengths, so they warm the server up the same way; but no block of a measured prompt,
+    so they leave no prefix-cache hit behind for the measured run. Text prompts stay as they are.
+    """
+    rng = np.random.default_rng(seed)
+    warm_ups = []
+    for i in range(num_warmups):
+        request = requests[i % len(requests)]
+        if request.prompt_token_ids is not None:
+            request = replace(request, prompt_token_ids=rng.permutation(request.prompt_token_ids).tolist())
+        warm_ups.append(request)
+    return warm_ups
 
 
 def _load_sharegpt(path: Path) -> list[Any]:
@@ -184,10 +235,8 @@ def arrival_intervals(n: int, request_rate: float, burstiness: float, seed: int)
     return rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=n).tolist()
 
 
-async def request_arrivals(
-    requests: Sequence[SampledRequest], request_rate: float, burstiness: float, seed: int
-) -> AsyncIterator[SampledRequest]:
-    """Yield requests at their arrival times; the first one at once.
+async def request_arrivals(requests: Sequence[T], request_rate: float, burstiness: float, seed: int) -> AsyncIterator[T]:
+    """Yield requests (or conversations: their first turns arrive so) at their arrival times; the first one at once.
 
     Arrival times are cumulative from the start, so time the consumer spends between
     items does not stretch the schedule.
