@@ -12,6 +12,7 @@ from google.protobuf.json_format import MessageToDict
 
 from kvservice.client.client import KVServiceClient, PromptInput
 from kvservice.tls import TLSFiles, add_tls_arguments
+from kvservice.v1 import kvservice_pb2 as pb
 
 
 def _token_ids(value: str) -> list[int]:
@@ -127,11 +128,17 @@ async def _stats(args: argparse.Namespace) -> int:
         print(f"  {key:<28} {data[key]}")
     for direction in ("kv_sending", "kv_receiving"):
         print(f"  {direction}: " + ", ".join(f"{k}={v}" for k, v in data.get(direction, {}).items()))
-    for worker in data.get("workers", []):
+    print(f"  prefix_cache: {_hit_rate(stats.prefix_cache)}")
+    for worker, entry in zip(data.get("workers", []), stats.workers):
         s = worker.get("stats", {})
         print(f"  worker {worker['address']} ({s.get('role', '?')}, healthy={worker['is_healthy']}, outstanding={worker['num_outstanding']}): "
-              f"blocks free {s.get('num_blocks_free', 0)}/{s.get('num_blocks_total', 0)}")
+              f"blocks free {s.get('num_blocks_free', 0)}/{s.get('num_blocks_total', 0)}, prefix cache {_hit_rate(entry.stats.prefix_cache)}")
     return 0
+
+
+def _hit_rate(prefix_cache: pb.PrefixCacheStats) -> str:
+    rate = f"{prefix_cache.hits / prefix_cache.queries:.1%}" if prefix_cache.queries else "n/a"
+    return f"hits {prefix_cache.hits}/{prefix_cache.queries} tokens ({rate})"
 
 
 def add_health_arguments(parser: argparse.ArgumentParser) -> None:

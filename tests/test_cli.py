@@ -148,6 +148,13 @@ async def test_stats_json(server: str) -> None:
     assert stats["role"] == "both"
     assert stats["num_blocks_total"] == 32
     assert 0 <= stats["num_blocks_free"] <= stats["num_blocks_total"]
+    assert 0 <= int(stats["prefix_cache"]["hits"]) <= int(stats["prefix_cache"]["queries"])
+
+
+async def test_stats_table_shows_the_prefix_cache(server: str) -> None:
+    code, stdout, stderr = await kvservice("stats", "--target", server)
+    assert code == 0, stderr
+    assert re.search(r"prefix_cache: hits \d+/\d+ tokens \((n/a|\d+\.\d%)\)", stdout), stdout
 
 
 async def test_health_serving(server: str) -> None:
