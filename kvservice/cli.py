@@ -38,6 +38,8 @@ BENCHMARKS: dict[str, tuple[str, str, str, str]] = {
                 "disaggregated (1 prefill core + 1 decode core) vs colocated (2 cores): same workload, side by side"),
     "prefix": ("kvservice.client.bench.prefix", "add_arguments", "main",
                "prefix caching off vs on, by routing (1 prefill + 2 decode each): same workload, side by side with ratios"),
+    "local-prefill": ("kvservice.client.bench.local_prefill", "add_arguments", "main",
+                      "decode-worker (local) vs disaggregated prefill of uncached prompt tails: the --max-local-prefill-tokens crossover"),
     "transfer": ("kvservice.client.bench.transfer", "add_arguments", "main",
                  "KV transfer over gRPC PullKV vs raw TCP, tensor to tensor across processes"),
     "spec": ("kvservice.client.bench.spec", "add_arguments", "main",
