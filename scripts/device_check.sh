@@ -9,9 +9,10 @@
 # status is 0 only when every step passed (a failed step is in the JSON with its error).
 #
 # Python: .venv's when there is one (here, after `make setup`), else python3 (the device
-# machine's, which has CUDA torch). Packages that python3 lacks (gguf, grpcio-health-checking,
-# grpcio-reflection, zlib-ng, openai, ...) travel as wheels in .whl/ (see the device tool's
-# README); this installs them and kvservice itself under /tmp, never into the system.
+# machine's, which has CUDA torch). The packages python3 lacks travel as wheels in .whl/:
+# run scripts/device_wheels.sh here first, then on the device machine (carry: .whl)
+#   scripts/device_check.sh --device cuda --out "$OUT/device_check.json"
+# which installs them and kvservice itself under /tmp, never into the system.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
