@@ -45,7 +45,7 @@ def test_kernel_equals_the_pytorch_formula(kernels: None, num_rows: int, shape: 
     torch.testing.assert_close(weight.linear(x), weight.linear_reference(x), rtol=1e-5, atol=2e-5)
 
 
-def test_kernel_reads_strided_rows_and_keeps_the_order_of_panels(kernels: None) -> None:
+def test_kernel_takes_a_non_contiguous_input(kernels: None) -> None:
     weight = _random_weight(64, 96, False, seed=1)
     x = torch.randn(8, 192)[:, ::2]  # not contiguous
     torch.testing.assert_close(weight.linear(x), weight.linear_reference(x), rtol=1e-5, atol=2e-5)
