@@ -2,6 +2,7 @@
 
 - `paged_decode_attention`: decode attention reading K/V in place through the block table.
 - `add_rms_norm_`, `rotary_`: the residual add + RMSNorm, and rotary in place, one call each.
+- `block_quant_linear`: a linear layer for a few rows over GGUF block-quantized weights.
 
 `load_cpu_kernels()` compiles the extension once per machine (torch's extension cache,
 ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) and loads it. It returns False when
@@ -20,9 +21,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "norm_rotary.cpp")]
+_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "norm_rotary.cpp", "block_quant_linear.cpp")]
 # torch caches builds by name and source hash; bump the version when an op's schema changes.
-_EXTENSION_VERSION = "v1"
+_EXTENSION_VERSION = "v2"
 # Vector ISA flags per torch's own CPU capability check. The capability is part of the
 # extension's name, so a cache shared by different CPUs never loads the wrong build.
 _ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]}
@@ -44,7 +45,7 @@ def load_cpu_kernels() -> bool:
     _tried = True
     if os.environ.get("KVSERVICE_KERNELS", "") == "torch":
         return False
-    if not hasattr(torch.ops.kvservice, "paged_decode_attention"):
+    if not hasattr(torch.ops.kvservice, "block_quant_linear"):
         from torch.utils import cpp_extension
 
         capability = torch.backends.cpu.get_cpu_capability()

@@ -14,7 +14,7 @@ import functools
 import pathlib
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
@@ -134,6 +134,51 @@ def gguf_state_dict(file: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> 
             value = unpermute_qk(value, config.num_attention_heads if is_q else config.num_key_value_heads)
         state[hf_name] = value
     return state
+
+
+def gguf_block_quant_rows(file: GGUFFile, config: ModelConfig) -> dict[str, BlockRows]:
+    """Each Q4_1 or Q8_0 matrix as `BlockRows`, under its Hugging Face name, q/k un-permuted for Llama."""
+    state: dict[str, BlockRows] = {}
+    for tensor in file.reader.tensors:
+        rows = block_rows(tensor)
+        hf_name = hf_tensor_name(tensor.name)
+        if rows is None or hf_name is None:
+            continue
+        if config.architecture == "llama" and tensor.name.split(".")[-2] in ("attn_q", "attn_k"):
+            num_heads = config.num_attention_heads if tensor.name.split(".")[-2] == "attn_q" else config.num_key_value_heads
+            rows = BlockRows(*(unpermute_qk(t, num_heads) for t in rows))
+        state[hf_name] = rows
+    return state
+
+
+class BlockRows(NamedTuple):
+    """A block-quantized [N, K] matrix, row-major: weight = scales * codes + mins, per block of 32."""
+
+    codes: torch.Tensor  # int8 [N, K]
+    scales: torch.Tensor  # float32 [N, K / 32]
+    mins: torch.Tensor  # float32 [N, K / 32]
+
+
+def block_rows(tensor: gguf.ReaderTensor) -> BlockRows | None:
+    """A Q4_1 or Q8_0 matrix's blocks unpacked (`dequantize_tensor`'s values, exactly); None for other types."""
+    kind = tensor.tensor_type
+    if kind not in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0) or len(tensor.shape) != 2:
+        return None
+    num_cols, num_rows = (int(n) for n in tensor.shape)
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(num_rows, num_cols // 32, -1)
+
+    def halves(first: int) -> np.ndarray:  # a float16 field of every block -> float32 [N, K / 32]
+        return np.ascontiguousarray(blocks[..., first : first + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+    scales = halves(0)
+    if kind == gguf.GGMLQuantizationType.Q8_0:  # [d: f16][32 x int8]
+        mins = np.zeros_like(scales)
+        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+    else:  # [d: f16][m: f16][16 bytes: weight j in the low nibble of byte j, weight 16 + j in the high]
+        mins = halves(2)
+        packed = blocks[..., 4:]
+        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8)
+    return BlockRows(torch.from_numpy(codes.reshape(num_rows, num_cols)), torch.from_numpy(scales), torch.from_numpy(mins))
 
 
 def hf_tensor_name(name: str) -> str | None:

@@ -5,7 +5,8 @@ matmul each (`fuse_checkpoint_weights` maps a checkpoint's state dict onto them)
 The forward takes a flat batch of tokens ([T]) from many requests; attention reads
 and writes the paged cache through `AttentionMetadata`. On CPU, when the C++ kernels
 are loaded (`kvservice.cpu_kernels`), the residual add + RMSNorm and the rotary
-embedding run as one call each; the PyTorch formulas here are the fallback.
+embedding run as one call each, and a float32 GGUF model's matmuls of a few rows read its
+block-quantized weights (`kvservice.block_quant`); the PyTorch formulas here are the fallback.
 A KV connector, when given, is called around each layer: `wait_for_layer_load`
 before, `save_kv_layer` after.
 """
@@ -20,11 +21,16 @@ import torch
 from torch import nn
 
 from kvservice.attention import AttentionMetadata, paged_attention, write_kv
+from kvservice.block_quant import BlockQuantWeight
 from kvservice.config import ModelConfig
 from kvservice.cpu_kernels import kernels_loaded
 
 if TYPE_CHECKING:
     from kvservice.connector.base import KVConnectorBase
+
+# Rows up to which the block-quantized kernel beats float32 matmuls here (decode, and
+# verifying drafts); prefill chunks take oneDNN's float32 GEMM.
+MAX_BLOCK_QUANT_ROWS = 64
 
 
 def has_native_bf16_matmul() -> bool:
@@ -57,6 +63,9 @@ class Linear(nn.Linear):
     compute_weight: torch.Tensor | None = None
     compute_bias: torch.Tensor | None = None
     is_packed: bool = False
+    # The same float32 weight in GGUF's block quantization, for inputs of at most
+    # `MAX_BLOCK_QUANT_ROWS` rows when the C++ kernels are loaded (see `kvservice.block_quant`).
+    block_quant: BlockQuantWeight | None = None
 
     def prepare(self, widen: bool, pack: bool, batch_hint: int) -> None:
         weight = self.weight.detach().float() if widen else self.weight.detach()
@@ -66,6 +75,9 @@ class Linear(nn.Linear):
         self.compute_weight, self.compute_bias, self.is_packed = weight, bias, pack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.block_quant is not None and x.dim() == 2 and x.shape[0] <= MAX_BLOCK_QUANT_ROWS and kernels_loaded():
+            y = self.block_quant.linear(x)
+            return y if self.bias is None else y.add_(self.bias)
         weight = self.compute_weight
         if weight is None:
             return nn.functional.linear(x, self.weight, self.bias)
@@ -249,6 +261,15 @@ class CausalLM(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, Linear) and (widen or name == "lm_head"):
                 module.prepare(widen, pack=name == "lm_head", batch_hint=batch_hint)
+
+    def use_block_quant(self, weights: dict[str, BlockQuantWeight]) -> None:
+        """Give each named `Linear` its weight's block-quantized copy (float32 models only:
+        its values are the float32 weight's, bit for bit)."""
+        assert self.model.embed_tokens.weight.dtype == torch.float32
+        for name, weight in weights.items():
+            module = self.get_submodule(name)
+            assert isinstance(module, Linear) and weight.shape == tuple(module.weight.shape), name
+            module.block_quant = weight
 
     @torch.inference_mode()
     def forward(

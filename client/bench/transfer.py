@@ -190,6 +190,7 @@ def run_transfer_bench(
     timeout_s: float = 120.0,
     log: Callable[[str], None] = print,
     cores: tuple[int, int] | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Ship `size_mib` of KV `repeats` times each way, alternating; the report as a dict.
 
@@ -198,7 +199,7 @@ def run_transfer_bench(
     layout = BENCH_LAYOUT
     bytes_per_token = layout.bytes_per_block // layout.block_size
     num_tokens = max(1, round(size_mib * MiB / bytes_per_token))
-    setup = BenchSetup(layout, num_tokens, is_reversed, seed, timeout_s)
+    setup = BenchSetup(layout, num_tokens, is_reversed, seed, timeout_s, device)
     grpc_runs: list[GrpcTransfer] = []
     tcp_runs = []
     with _worker_environment():
@@ -218,6 +219,7 @@ def run_transfer_bench(
     grpc_gbps = [r.gb_per_s for r in grpc_runs]
     tcp_gbps = [r.gb_per_s for r in tcp_runs]
     return {
+        "device": device,
         "num_bytes": setup.num_bytes,
         "num_tokens": num_tokens,
         "layout": {**asdict(layout), "dtype": str(layout.dtype).removeprefix("torch.")},
@@ -270,6 +272,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds any one step may take before the run fails (default 120)")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="do not pin the sender and the receiver (gRPC and TCP alike) to two different cores")
+    parser.add_argument("--device", default="cpu",
+                        help="'cpu' or 'cuda[:N]': where both processes' KV caches live (raw TCP moves host bytes; default cpu)")
     parser.add_argument("--json", action="store_true", help="end with one line of JSON: the whole report")
 
 
@@ -283,7 +287,7 @@ def main(args: argparse.Namespace) -> int:
     cores = (available[0], available[1]) if args.pin and len(available) >= 2 else None
     report = run_transfer_bench(
         args.size_mib, args.repeats, is_reversed=args.reversed_blocks, seed=args.seed, timeout_s=args.timeout,
-        cores=cores,
+        cores=cores, device=args.device,
     )
     print(
         f"gRPC PullKV: best {report['grpc_gbps']:.2f} GB/s, median {report['grpc_gbps_median']:.2f}\n"

@@ -42,6 +42,7 @@ class BenchSetup:
     is_reversed: bool  # decode block ids descending instead of ascending
     seed: int
     timeout_s: float
+    device: str = "cpu"  # where both KV caches live; on CUDA the staging pool is pinned
 
     @property
     def num_blocks(self) -> int:
@@ -149,7 +150,7 @@ def layer_checksums(kv_caches: list[torch.Tensor], block_ids: list[int]) -> list
     """Per layer, CRC-32 of K then V of each block, in the prompt's block order."""
     checksums = []
     for kv_layer in kv_caches:
-        data = kv_layer.view(torch.uint8).numpy()  # [2, num_blocks, block_size, kv_heads, head_dim * itemsize]
+        data = kv_layer.cpu().view(torch.uint8).numpy()  # [2, num_blocks, block_size, kv_heads, head_dim * itemsize]
         crc = 0
         for block_id in block_ids:
             crc = zlib.crc32(data[1, block_id], zlib.crc32(data[0, block_id], crc))
@@ -194,10 +195,11 @@ async def _serve_prefill(conn: Connection, setup: BenchSetup) -> None:
     kv_caches = allocate_kv_caches(layout, setup.num_blocks, torch.device("cpu"))
     for kv_layer in kv_caches:
         kv_layer.normal_(generator=gen)
+    kv_caches = [t.to(setup.device) for t in kv_caches]
     # The prompt's blocks sit scattered in the cache: staging gathers them.
     block_ids = torch.randperm(setup.num_blocks, generator=gen).tolist()
     checksums = layer_checksums(kv_caches, block_ids)
-    pool = StagingPool(setup.num_bytes)
+    pool = StagingPool(setup.num_bytes, pin_memory=setup.device.startswith("cuda"))
     registry = TransferRegistry(pool, layout, lease_seconds=setup.timeout_s)
     connector = PrefillKVConnector(registry)
     connector.register_kv_caches(kv_caches, layout)
@@ -257,7 +259,7 @@ async def _serve_decode(conn: Connection, setup: BenchSetup, address: str) -> No
     layout = setup.layout
     n = setup.num_blocks
     # Block 0 belongs to nobody: it must still be zero after every pull.
-    kv_caches = allocate_kv_caches(layout, n + 1, torch.device("cpu"))
+    kv_caches = allocate_kv_caches(layout, n + 1, torch.device(setup.device))
     block_ids = list(range(n, 0, -1)) if setup.is_reversed else list(range(1, n + 1))
     stats = KVTransferCounters()
     async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
@@ -270,6 +272,8 @@ async def _serve_decode(conn: Connection, setup: BenchSetup, address: str) -> No
             spec = LoadSpec(request_id, address, token, block_ids, setup.num_tokens)
             start, start_cpu = time.perf_counter(), time.process_time()
             result = await pull_kv(channel, spec, kv_caches, layout, setup.timeout_s, stats)
+            if kv_caches[0].is_cuda:
+                torch.cuda.synchronize(kv_caches[0].device)  # the last copies into the cache count too
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
             is_guard_zero = not any(bool(t[:, 0].view(torch.uint8).any()) for t in kv_caches)
             checksums = layer_checksums(kv_caches, block_ids)

@@ -1,0 +1,94 @@
+"""Block-quantized weights: the C++ kernel equals the PyTorch formula, and the weights it
+reads are the GGUF loader's float32 weights bit for bit (so the model computes the same
+function with either path).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from gguf_models import GGUFSpec, random_state, write_gguf
+
+from kvservice import LLM, SamplingParams
+from kvservice.block_quant import BlockQuantWeight
+from kvservice.cpu_kernels import load_cpu_kernels
+from kvservice.gguf_loader import block_rows, gguf_block_quant_rows, gguf_model_config, gguf_state_dict, open_gguf
+from kvservice.model import MAX_BLOCK_QUANT_ROWS, Linear
+from kvservice.model_loader import load_model
+
+SPEC = GGUFSpec(arch="llama", hidden_size=256, intermediate_size=320, num_layers=2, num_heads=4, num_kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> None:
+    if not load_cpu_kernels():
+        pytest.skip("the C++ kernels did not build here (the PyTorch path serves)")
+
+
+def _random_weight(num_rows: int, num_cols: int, is_signed: bool, seed: int) -> BlockQuantWeight:
+    gen = torch.Generator().manual_seed(seed)
+    low, high = (-128, 128) if is_signed else (0, 16)  # Q8_0's codes, Q4_1's
+    codes = torch.randint(low, high, (num_rows, num_cols), generator=gen, dtype=torch.int8)
+    scales = torch.rand(num_rows, num_cols // 32, generator=gen) * 0.01
+    mins = torch.zeros_like(scales) if is_signed else -torch.rand(num_rows, num_cols // 32, generator=gen) * 0.08
+    return BlockQuantWeight.from_rows(codes, scales, mins)
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 6, 7, 13, 16, 64])
+@pytest.mark.parametrize(("shape", "is_signed"), [((960, 576), False), ((576, 1536), False), ((160, 288), True)])
+def test_kernel_equals_the_pytorch_formula(kernels: None, num_rows: int, shape: tuple[int, int], is_signed: bool) -> None:
+    weight = _random_weight(*shape, is_signed, seed=num_rows)
+    x = torch.randn(num_rows, shape[1], generator=torch.Generator().manual_seed(7))
+    # Only the order of each dot product's additions differs: float32 rounding, nothing more.
+    torch.testing.assert_close(weight.linear(x), weight.linear_reference(x), rtol=1e-5, atol=2e-5)
+
+
+def test_kernel_takes_a_non_contiguous_input(kernels: None) -> None:
+    weight = _random_weight(64, 96, False, seed=1)
+    x = torch.randn(8, 192)[:, ::2]  # not contiguous
+    torch.testing.assert_close(weight.linear(x), weight.linear_reference(x), rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_blocks_dequantize_to_the_loaders_float32_weights_exactly(tmp_path: pathlib.Path, qtype: str) -> None:
+    path = write_gguf(tmp_path / f"{qtype}.gguf", SPEC, random_state(SPEC, 256, seed=5), qtype)
+    file = open_gguf(path)
+    config = gguf_model_config(file)
+    dense = gguf_state_dict(file, config, torch.float32)
+    rows = gguf_block_quant_rows(file, config)
+    assert set(rows) == {name for name, t in dense.items() if t.dim() == 2}  # every matrix, q/k un-permuted too
+    for name, r in rows.items():
+        weight = BlockQuantWeight.from_rows(*r)
+        assert torch.equal(weight.dequantize(), dense[name]), name
+
+
+def test_other_types_have_no_blocks(tmp_path: pathlib.Path) -> None:
+    path = write_gguf(tmp_path / "f16.gguf", SPEC, random_state(SPEC, 256), "F16")
+    assert all(block_rows(t) is None for t in open_gguf(path).reader.tensors)
+
+
+def test_float32_gguf_models_use_the_blocks_and_bfloat16_ones_do_not(tmp_path: pathlib.Path) -> None:
+    path = write_gguf(tmp_path / "q4.gguf", SPEC, random_state(SPEC, 256, seed=2), "Q4_1")
+    fp32 = load_model(str(path), dtype="float32").model
+    linears = {name: m for name, m in fp32.named_modules() if isinstance(m, Linear)}
+    assert all(m.block_quant is not None for m in linears.values()), [n for n, m in linears.items() if m.block_quant is None]
+    for module in linears.values():
+        assert module.block_quant is not None
+        assert torch.equal(module.block_quant.dequantize(), module.weight)
+    bf16 = load_model(str(path), dtype="bfloat16").model
+    assert all(m.block_quant is None for m in bf16.modules() if isinstance(m, Linear))
+
+
+def test_greedy_tokens_are_the_same_with_and_without_the_kernel(kernels: None, tmp_path: pathlib.Path) -> None:
+    path = write_gguf(tmp_path / "q4.gguf", SPEC, random_state(SPEC, 256, seed=4), "Q4_1")
+    llm = LLM(str(path), dtype="float32")
+    prompts = [list(range(3, 3 + n)) for n in (5, 9, 17, 2)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with_kernel = [o.token_ids for o in llm.generate(prompts, params)]
+    for module in llm.engine.loaded.model.modules():
+        if isinstance(module, Linear):
+            module.block_quant = None  # the float32 weights: the path without the kernel
+    assert [o.token_ids for o in llm.generate(prompts, params)] == with_kernel
+    assert MAX_BLOCK_QUANT_ROWS >= len(prompts)  # so the decode steps above did use the kernel
