@@ -12,6 +12,7 @@ import sys
 from kvservice.client.cluster import LaunchError, LocalCluster
 from kvservice.engine_args import add_engine_arguments, engine_argv, engine_config
 from kvservice.event_loop import run_event_loop
+from kvservice.routing_args import add_routing_arguments, routing_argv
 from kvservice.tls import AUTH_TOKEN_ENV, TLSFiles, add_tls_arguments, add_worker_peer_names_argument, check_worker_peer_names
 
 
@@ -26,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--grace-period", type=float, default=30.0,
         help="seconds every child gets to drain on Ctrl-C / SIGTERM before it is killed (default: 30)",
     )
+    add_routing_arguments(parser)  # passed to the proxy
     add_tls_arguments(parser)
     add_worker_peer_names_argument(parser)  # passed to every worker
     add_engine_arguments(parser)  # passed to every worker
@@ -50,13 +52,14 @@ def main(args: argparse.Namespace) -> int:
 
 async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:
     tls = TLSFiles.from_args(args)
-    proxy_args: list[str] = [*tls.to_args()]
+    # The proxy loads the model's tokenizer only: it routes text and chat prompts by what workers cache.
+    proxy_args: list[str] = [*tls.to_args(), *routing_argv(args), "--model", args.model]
     worker_args = [*worker_args, *tls.to_args()]
     if args.auth_token:
         # Through the environment, not argv (which `ps` shows): the proxy reads it from there.
         os.environ[AUTH_TOKEN_ENV] = args.auth_token
     if args.http_port is not None:
-        proxy_args += ["--http-port", str(args.http_port), "--model", args.model]
+        proxy_args += ["--http-port", str(args.http_port)]
         if args.max_model_len is not None:
             proxy_args += ["--max-model-len", str(args.max_model_len)]
     if args.metrics_port is not None:
