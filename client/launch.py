@@ -40,6 +40,19 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return [*engine_argv(args), *peer_names, *(a for a in args.worker_args if a != "--")]
 
 
+def proxy_argv(args: argparse.Namespace) -> list[str]:
+    """The proxy's flags: routing, the model (it loads the tokenizer only, to route text and chat
+    prompts by what workers cache), and the HTTP and metrics ports given to `launch`."""
+    argv = [*routing_argv(args), "--model", args.model]
+    if args.http_port is not None:
+        argv += ["--http-port", str(args.http_port)]
+        if args.max_model_len is not None:
+            argv += ["--max-model-len", str(args.max_model_len)]
+    if args.metrics_port is not None:
+        argv += ["--metrics-port", str(args.metrics_port)]
+    return argv
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         engine_config(args)  # a bad engine flag fails here, not in every worker
@@ -52,18 +65,12 @@ def main(args: argparse.Namespace) -> int:
 
 async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:
     tls = TLSFiles.from_args(args)
-    # The proxy loads the model's tokenizer only: it routes text and chat prompts by what workers cache.
-    proxy_args: list[str] = [*tls.to_args(), *routing_argv(args), "--model", args.model]
+    proxy_args = [*tls.to_args(), *proxy_argv(args)]
     worker_args = [*worker_args, *tls.to_args()]
     if args.auth_token:
         # Through the environment, not argv (which `ps` shows): the proxy reads it from there.
         os.environ[AUTH_TOKEN_ENV] = args.auth_token
-    if args.http_port is not None:
-        proxy_args += ["--http-port", str(args.http_port)]
-        if args.max_model_len is not None:
-            proxy_args += ["--max-model-len", str(args.max_model_len)]
     if args.metrics_port is not None:
-        proxy_args += ["--metrics-port", str(args.metrics_port)]
         worker_args = [*worker_args, "--metrics-port", "0"]
     cluster = LocalCluster(
         args.model, args.num_prefill, args.num_decode, args.port, worker_args, proxy_args=proxy_args,
