@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import random
 
+import grpc
 import pytest
 from conftest import all_worker_stats, local_cluster, tiny_greedy, wait_for, wait_for_stats, worker_stats
 
+from kvservice.block_hash import block_hashes
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
 from kvservice.v1 import kvservice_pb2 as pb
+from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(240)]
 
@@ -105,3 +108,23 @@ async def test_short_prompts_and_next_turns_never_reach_the_prefill_worker() -> 
         await wait_for_stats([prefill], lambda s: s[prefill].num_finished_requests == unchanged.num_finished_requests + 1, "the long prompt prefilled")
         stats = await worker_stats(decode)
         assert stats.kv_receiving.num_failed_transfers == 0
+
+
+async def test_a_colocated_worker_publishes_what_it_caches() -> None:
+    prompt = random_tokens(3 * BLOCK_SIZE + 5, seed=6)  # 3 full blocks
+    async with local_cluster("tiny", colocated=True, worker_args=WORKER_ARGS) as cluster:
+        async with grpc.aio.insecure_channel(cluster.address) as channel:
+            stream = pb_grpc.WorkerStub(channel).SubscribeKVEvents(pb.KVEventsRequest(after_seq=0), timeout=60)
+            snapshot = await stream.read()
+            assert snapshot.is_snapshot and snapshot.seq == 0 and not snapshot.events
+            assert await complete(cluster.address, prompt) == tiny_greedy([prompt], MAX_TOKENS)[0]
+            stored: list[int] = []
+            seqs: list[int] = []
+            while len(stored) < 3:  # the prompt's full blocks (53 + 7 tokens computed: no fourth)
+                batch = await stream.read()
+                seqs.append(batch.seq)
+                stored += [h for e in batch.events if e.HasField("stored") for h in e.stored.block_hashes]
+            stream.cancel()
+        assert seqs == list(range(1, len(seqs) + 1))
+        assert (batch.block_size, batch.hash_seed) == (BLOCK_SIZE, snapshot.hash_seed)
+        assert stored == block_hashes(prompt, BLOCK_SIZE, snapshot.hash_seed)
