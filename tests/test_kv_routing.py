@@ -83,6 +83,25 @@ async def test_requests_sharing_a_prefix_go_to_the_decode_worker_that_holds_it()
         assert after[holder].prefix_cache.hits - after_first[holder].prefix_cache.hits >= 2 * len(prefix)
 
 
+async def test_round_robin_alternates_even_when_one_decode_worker_holds_the_prompt() -> None:
+    prompt = random_tokens(6 * BLOCK_SIZE, seed=7)
+    expected = tiny_greedy([prompt], MAX_TOKENS)[0]
+    proxy_args = ("--routing", "round-robin")
+    async with local_cluster("tiny", num_prefill=1, num_decode=2, worker_args=WORKER_ARGS, proxy_args=proxy_args) as cluster:
+        decoders = cluster.decode_addresses
+        before = await all_worker_stats(decoders)
+        finished: list[str] = []
+        for i in range(4):
+            assert await complete(cluster.address, prompt) == expected
+            stats = await wait_for_stats(
+                decoders, lambda s, n=i + 1: sum(s[a].num_finished_requests - before[a].num_finished_requests for a in decoders) == n,
+                "the request counted",
+            )
+            [latest] = [a for a in decoders if stats[a].num_finished_requests - before[a].num_finished_requests > finished.count(a)]
+            finished.append(latest)
+        assert finished[0] != finished[1] and finished[::2] == [finished[0]] * 2 and finished[1::2] == [finished[1]] * 2
+
+
 async def test_short_prompts_and_next_turns_never_reach_the_prefill_worker() -> None:
     short = random_tokens(40, seed=2)
     first_turn = random_tokens(200, seed=3)
