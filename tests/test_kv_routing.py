@@ -102,6 +102,31 @@ async def test_round_robin_alternates_even_when_one_decode_worker_holds_the_prom
         assert finished[0] != finished[1] and finished[::2] == [finished[0]] * 2 and finished[1::2] == [finished[1]] * 2
 
 
+async def test_least_loaded_sends_requests_to_the_idle_decode_worker() -> None:
+    short = random_tokens(24, seed=8)
+    expected = tiny_greedy([short], MAX_TOKENS)[0]
+    worker_args = ("--num-blocks", "256", "--num-threads", "1")
+    async with local_cluster("tiny", num_prefill=1, num_decode=2, worker_args=worker_args, proxy_args=("--routing", "least-loaded")) as cluster:
+        decoders = cluster.decode_addresses
+        async with KVServiceClient(cluster.address) as client:
+            # A long request keeps one decode worker busy (it is cancelled at the end, not awaited).
+            long = client.generate(random_tokens(20, seed=9), timeout=120, max_tokens=2000, temperature=0, ignore_eos=True)
+            try:
+                await anext(long)
+                busy_stats = await wait_for_stats(
+                    decoders, lambda s: sum(s[a].num_running_requests for a in decoders) == 1, "the long request running",
+                )
+                [busy] = [a for a in decoders if busy_stats[a].num_running_requests == 1]
+                [idle] = [a for a in decoders if a != busy]
+                for _ in range(3):
+                    assert await complete(cluster.address, short) == expected
+                after = await wait_for_finished(decoders, busy_stats, {idle: 3})
+                assert after[busy].num_finished_requests == busy_stats[busy].num_finished_requests
+                assert after[busy].num_running_requests == 1, "the long request ended early: the test proves nothing"
+            finally:
+                await long.aclose()
+
+
 async def test_short_prompts_and_next_turns_never_reach_the_prefill_worker() -> None:
     short = random_tokens(40, seed=2)
     first_turn = random_tokens(200, seed=3)
