@@ -32,6 +32,7 @@ class KVEventSubscriptions:
         self.workers = list(workers)
         self.max_backoff_s = max_backoff_s
         self._tasks: list[asyncio.Task[None]] = []
+        # Subscriptions opened per worker address: each one past the first is a recovery.
         self.num_subscribes: dict[str, int] = {w.address: 0 for w in self.workers}
 
     def start(self) -> None:
