@@ -12,6 +12,7 @@ import sys
 from kvservice.client.cluster import LaunchError, LocalCluster
 from kvservice.engine_args import add_engine_arguments, engine_argv, engine_config
 from kvservice.event_loop import run_event_loop
+from kvservice.routing_args import add_routing_arguments, routing_argv
 from kvservice.tls import AUTH_TOKEN_ENV, TLSFiles, add_tls_arguments, add_worker_peer_names_argument, check_worker_peer_names
 
 
@@ -26,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--grace-period", type=float, default=30.0,
         help="seconds every child gets to drain on Ctrl-C / SIGTERM before it is killed (default: 30)",
     )
+    add_routing_arguments(parser)  # passed to the proxy
     add_tls_arguments(parser)
     add_worker_peer_names_argument(parser)  # passed to every worker
     add_engine_arguments(parser)  # passed to every worker
@@ -36,6 +38,19 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     """Every worker's `kvservice serve` flags: the engine flags and peer names given to `launch`, then those after '--'."""
     peer_names = ["--worker-peer-names", *args.worker_peer_names] if args.worker_peer_names is not None else []
     return [*engine_argv(args), *peer_names, *(a for a in args.worker_args if a != "--")]
+
+
+def proxy_argv(args: argparse.Namespace) -> list[str]:
+    """The proxy's flags: routing, the model (it loads the tokenizer only, to route text and chat
+    prompts by what workers cache), and the HTTP and metrics ports given to `launch`."""
+    argv = [*routing_argv(args), "--model", args.model]
+    if args.http_port is not None:
+        argv += ["--http-port", str(args.http_port)]
+        if args.max_model_len is not None:
+            argv += ["--max-model-len", str(args.max_model_len)]
+    if args.metrics_port is not None:
+        argv += ["--metrics-port", str(args.metrics_port)]
+    return argv
 
 
 def main(args: argparse.Namespace) -> int:
@@ -50,17 +65,12 @@ def main(args: argparse.Namespace) -> int:
 
 async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:
     tls = TLSFiles.from_args(args)
-    proxy_args: list[str] = [*tls.to_args()]
+    proxy_args = [*tls.to_args(), *proxy_argv(args)]
     worker_args = [*worker_args, *tls.to_args()]
     if args.auth_token:
         # Through the environment, not argv (which `ps` shows): the proxy reads it from there.
         os.environ[AUTH_TOKEN_ENV] = args.auth_token
-    if args.http_port is not None:
-        proxy_args += ["--http-port", str(args.http_port), "--model", args.model]
-        if args.max_model_len is not None:
-            proxy_args += ["--max-model-len", str(args.max_model_len)]
     if args.metrics_port is not None:
-        proxy_args += ["--metrics-port", str(args.metrics_port)]
         worker_args = [*worker_args, "--metrics-port", "0"]
     cluster = LocalCluster(
         args.model, args.num_prefill, args.num_decode, args.port, worker_args, proxy_args=proxy_args,

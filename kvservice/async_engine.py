@@ -3,7 +3,9 @@
 The step loop runs in a thread of its own so the event loop never blocks on a
 forward. Commands (add, abort) reach the thread through a queue and are applied
 between steps; outputs come back through `loop.call_soon_threadsafe`, one batch per
-step. A step that computed nothing (requests waiting for remote KV, or for blocks that
+step. With a `kv_events_sink`, the thread hands it each step's prefix cache events
+(`LLMEngine.take_kv_events`) right after the step, so their order and a snapshot taken
+with `call` agree. A step that computed nothing (requests waiting for remote KV, or for blocks that
 in-flight pulls hold) waits on a wake-up event that the connector sets when a transfer
 finishes, never spinning.
 
@@ -23,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvservice.block_pool import KVCacheEvent
 from kvservice.chat_template import Prompt
 from kvservice.engine import LLMEngine, RequestOutput
 from kvservice.sampling_params import SamplingParams
@@ -65,14 +68,24 @@ class _Call:
     future: asyncio.Future[Any]
 
 
+# Called on the step thread with one step's prefix cache events (never an empty list).
+KVEventsSink = Callable[[list[KVCacheEvent]], None]
+
+
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None) -> None:
+    def __init__(
+        self, engine: LLMEngine, max_queued_requests: int | None = None, kv_events_sink: KVEventsSink | None = None
+    ) -> None:
         """`max_queued_requests` bounds the requests not yet running (waiting, preempted, or
-        waiting for remote KV); past it `generate` raises QueueFull at once. None: no bound."""
+        waiting for remote KV); past it `generate` raises QueueFull at once. None: no bound.
+        `kv_events_sink` gets each step's prefix cache events, on the step thread."""
         if max_queued_requests is not None and max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
         self.engine = engine
         self.max_queued_requests = max_queued_requests
+        self._kv_events_sink = kv_events_sink
+        if kv_events_sink is not None:
+            engine.take_kv_events()  # recording starts now, before the step thread does
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -193,6 +206,10 @@ class AsyncLLMEngine:
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step()
+                if self._kv_events_sink is not None:
+                    events = self.engine.take_kv_events()
+                    if events:
+                        self._kv_events_sink(events)
                 if outputs:
                     self._deliver(outputs)
                 elif self.engine.is_last_step_idle:

@@ -178,3 +178,16 @@ def apply_chat_template(
         raise ValueError("messages: this model has no tokenizer; chat needs one")
     text = render_chat_template(tokenizer, conversation, add_generation_prompt, chat_template, **template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_prompt(tokenizer: Tokenizer | None, prompt: Prompt) -> list[int]:
+    """A prompt's token ids, exactly as a worker computes them: text tokenized with special
+    tokens, a conversation rendered with the model's chat template, token ids as given. The
+    proxy hashes what this returns, so it must stay the one definition."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer.json; pass token ids")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, ChatPrompt):
+        return apply_chat_template(tokenizer, prompt.messages, prompt.add_generation_prompt)
+    return [int(t) for t in prompt]

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvservice.block_hash import hash_seed
 from kvservice.block_pool import KVCacheEvent
-from kvservice.chat_template import ChatPrompt, Prompt, apply_chat_template
+from kvservice.chat_template import Prompt, encode_prompt
 from kvservice.config import EngineConfig, ModelConfig
 from kvservice.connector.base import KVConnectorBase
 from kvservice.draft_proposer import DraftProposer
@@ -109,14 +109,7 @@ class LLMEngine:
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt (a conversation rendered with the model's chat template),
         validated against the vocabulary and the maximum length."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer.json; pass token ids")
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, ChatPrompt):
-            token_ids = apply_chat_template(self.tokenizer, prompt.messages, prompt.add_generation_prompt)
-        else:
-            token_ids = [int(t) for t in prompt]
+        token_ids = encode_prompt(self.tokenizer, prompt)
         if not token_ids:
             raise ValueError("prompt: empty prompt")
         if len(token_ids) >= self.max_model_len:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvservice.block_pool import KVCacheEvent
 from kvservice.chat_template import ChatPrompt, Prompt
 from kvservice.engine import RequestOutput
 from kvservice.finish_reason import finish_reason_to_proto
@@ -67,7 +68,6 @@ def prompt_from_proto(request: pb.GenerateRequest, max_model_len: int) -> Prompt
     raise ValueError("prompt: set one of text, token_ids or chat")
 
 
-
 def response_from_output(output: RequestOutput, new_token_ids: list[int], new_text: str) -> pb.GenerateResponse:
     return pb.GenerateResponse(
         request_id=output.request_id,
@@ -76,3 +76,10 @@ def response_from_output(output: RequestOutput, new_token_ids: list[int], new_te
         finish_reason=finish_reason_to_proto(output.finish_reason),
         num_prompt_tokens=len(output.prompt_token_ids),
     )
+
+
+def kv_event_to_proto(event: KVCacheEvent) -> pb.KVCacheEvent:
+    if event.kind == "stored":
+        return pb.KVCacheEvent(stored=pb.KVBlocksStored(block_hashes=event.block_hashes, parent_hash=event.parent_hash))
+    assert event.kind == "removed", event.kind
+    return pb.KVCacheEvent(removed=pb.KVBlocksRemoved(block_hashes=event.block_hashes))

@@ -19,10 +19,10 @@ from kvservice.request import check_request_id
 from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
 from kvservice.server.errors import PeerNotAllowed, abort_with
 from kvservice.server.generation import stream_responses
+from kvservice.server.kv_events import KVEventPublisher
 from kvservice.server.metrics import ServerMetrics
-from kvservice.server.stats import engine_stats
+from kvservice.server.worker_service import EngineWorkerService
 from kvservice.v1 import kvservice_pb2 as pb
-from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +41,14 @@ def check_kv_peer(address: str, kv_peers: frozenset[str] | None) -> None:
         raise PeerNotAllowed(f"kv_transfer_params.remote_address: {address} is not one of this worker's --kv-peers")
 
 
-class DecodeWorkerService(pb_grpc.WorkerServicer):
+class DecodeWorkerService(EngineWorkerService):
     def __init__(
-        self, engine: AsyncLLMEngine, metrics: ServerMetrics | None = None, kv_peers: frozenset[str] | None = None
+        self, engine: AsyncLLMEngine, metrics: ServerMetrics | None = None, kv_peers: frozenset[str] | None = None,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         """`kv_peers`: the prefill workers KV may be pulled from; None: any that a request names."""
+        super().__init__(engine, "decode", kv_events)
         self.kv_peers = kv_peers
-        self.engine = engine
         self.metrics = metrics if metrics is not None else ServerMetrics("decode")
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -70,6 +71,3 @@ class DecodeWorkerService(pb_grpc.WorkerServicer):
                     yield response
         except Exception as e:
             await abort_with(context, e)
-
-    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        return await self.engine.call(lambda engine: engine_stats(engine, "decode"))

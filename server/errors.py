@@ -12,6 +12,7 @@ from kvservice.connector.transfer_registry import (
     TransferDenied,
     TransferNotFound,
 )
+from kvservice.server.kv_events import PublisherClosed, SubscriberTooSlow
 
 
 class RequestFailed(Exception):
@@ -38,11 +39,13 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (StagingExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (SubscriberTooSlow, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (TransferDenied, grpc.StatusCode.PERMISSION_DENIED),
     (PeerNotAllowed, grpc.StatusCode.PERMISSION_DENIED),
     (TransferNotFound, grpc.StatusCode.NOT_FOUND),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
+    (PublisherClosed, grpc.StatusCode.UNAVAILABLE),
     (NoWorkerAvailable, grpc.StatusCode.UNAVAILABLE),
     (RequestFailed, grpc.StatusCode.INTERNAL),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),

@@ -21,20 +21,22 @@ from kvservice.request import check_request_id
 from kvservice.sampling_params import SamplingParams
 from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
 from kvservice.server.errors import RequestFailed, ShuttingDown, abort_with
+from kvservice.server.kv_events import KVEventPublisher
 from kvservice.server.metrics import ServerMetrics
-from kvservice.server.stats import engine_stats
+from kvservice.server.worker_service import EngineWorkerService
 from kvservice.stop_checker import OutputText
 from kvservice.tokenizer import Tokenizer
 from kvservice.v1 import kvservice_pb2 as pb
-from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
-class PrefillWorkerService(pb_grpc.WorkerServicer):
+
+class PrefillWorkerService(EngineWorkerService):
     def __init__(
-        self, engine: AsyncLLMEngine, registry: TransferRegistry, staging_wait_seconds: float = 10.0, metrics: ServerMetrics | None = None
+        self, engine: AsyncLLMEngine, registry: TransferRegistry, staging_wait_seconds: float = 10.0, metrics: ServerMetrics | None = None,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
-        self.engine = engine
+        super().__init__(engine, "prefill", kv_events)
         self.registry = registry
         self.staging_wait_seconds = staging_wait_seconds
         self.metrics = metrics if metrics is not None else ServerMetrics("prefill")
@@ -103,9 +105,6 @@ class PrefillWorkerService(pb_grpc.WorkerServicer):
         except ValueError as e:
             await abort_with(context, e)
         return pb.ReleaseKVResponse(was_staged=self.registry.release(request.request_id, request.transfer_token))
-
-    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        return await self.engine.call(lambda engine: engine_stats(engine, "prefill"))
 
 
 def first_token_finish_reason(token_id: int, params: SamplingParams, eos_token_ids: frozenset[int]) -> str | None:

@@ -1,10 +1,10 @@
 """The proxy (router): the client API in front of prefill and decode workers.
 
-For each request it picks the prefill and the decode worker with the fewest
-outstanding requests, makes a random transfer token, and sends the prefill request
-and the decode request at the same time. The prefill's first token goes to the
-client at once; then the decode's tokens follow (its own first token, the same one,
-is skipped). With no prefill worker reachable, or when the prefill fails, the decode
+For each request the router (`router.py`) picks a decode worker and, unless that one
+prefills the prompt itself (conditional disaggregation), a prefill worker; the proxy
+makes a random transfer token and sends the prefill request and the decode request at
+the same time. The prefill's first token goes to the client at once; then the decode's
+tokens follow (its own first token, the same one, is skipped). With no prefill worker reachable, or when the prefill fails, the decode
 worker prefills the prompt itself: degraded, never down.
 """
 
@@ -20,10 +20,12 @@ import grpc
 
 from kvservice.request import check_request_id
 from kvservice.server.convert import check_prompt_length, check_stop_token_ids_count
-from kvservice.server.errors import NoWorkerAvailable
 from kvservice.server.generation import StreamingGenerationService, new_request_id
 from kvservice.server.metrics import ServerMetrics
+from kvservice.server.prompt_tokens import PromptTokens
+from kvservice.server.router import Router
 from kvservice.server.worker_pool import WorkerHandle, WorkerPool
+from kvservice.tokenizer import Tokenizer
 from kvservice.v1 import kvservice_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,11 @@ class ProxyService(StreamingGenerationService):
         retry_decode: bool = False,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        router: Router | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
+        """`router`: kv-aware over `prefill` and `decode` by default; `tokenizer`: the workers'
+        (text and chat prompts are routed by cache only with it)."""
         if not request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
         self.request_timeout = request_timeout
@@ -59,6 +65,8 @@ class ProxyService(StreamingGenerationService):
         # (greedy or seeded) on another one instead of failing it with UNAVAILABLE.
         self.retry_decode = retry_decode
         self.metrics = metrics if metrics is not None else ServerMetrics("proxy")
+        self.router = router if router is not None else Router(prefill, decode)
+        self.prompt_tokens = PromptTokens(tokenizer, max_model_len)
 
     async def responses(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         """The routing path of `Generate`, also used by the OpenAI-compatible HTTP front.
@@ -76,12 +84,13 @@ class ProxyService(StreamingGenerationService):
         with self.metrics.track(inner.request_id, logger) as tracker:
             if request.WhichOneof("prompt") is None:
                 raise ValueError("prompt: set one of text, token_ids or chat")
+            token_ids = self.prompt_tokens.token_ids(inner) if self.router.needs_kv_events else None
             num_sent = 0  # tokens the client already has
             failed_decoders: set[str] = set()
             while True:
                 skip = num_sent  # a retry starts the request over: drop what the client has
                 try:
-                    async for response in self._route(inner, failed_decoders):
+                    async for response in self._route(inner, token_ids, failed_decoders):
                         if skip:
                             response, skip = _skip_tokens(response, skip)
                             if not response.token_ids and response.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
@@ -97,15 +106,16 @@ class ProxyService(StreamingGenerationService):
                     logger.warning("request_id=%s: decode worker %s lost after %d tokens; retrying on another",
                                    inner.request_id, lost.address, num_sent)
 
-    async def _route(self, inner: pb.GenerateRequest, failed_decoders: set[str]) -> AsyncIterator[pb.GenerateResponse]:
+    async def _route(
+        self, inner: pb.GenerateRequest, token_ids: list[int] | None, failed_decoders: set[str]
+    ) -> AsyncIterator[pb.GenerateResponse]:
         """One attempt: pick the workers and stream. A retry has no KV source (its decode
         worker prefills itself): the first attempt's transfer went to the lost worker."""
-        decode_worker = self.decode.pick(exclude=failed_decoders)
-        if decode_worker is None:
-            raise NoWorkerAvailable("no healthy decode worker")
-        prefill_worker = None if failed_decoders else self.prefill.pick()
-        logger.info("request_id=%s routed: prefill=%s decode=%s", inner.request_id,
-                    prefill_worker.address if prefill_worker is not None else "none", decode_worker.address)
+        route = self.router.route(token_ids, exclude_decode=failed_decoders, use_prefill=not failed_decoders)
+        decode_worker, prefill_worker = route.decode, route.prefill
+        logger.info("request_id=%s routed: prefill=%s decode=%s (uncached there: %s tokens)", inner.request_id,
+                    prefill_worker.address if prefill_worker is not None else "none", decode_worker.address,
+                    route.num_uncached_tokens if route.num_uncached_tokens is not None else "?")
         with self.decode.using(decode_worker):
             if prefill_worker is None:
                 async for response in self._decode_only(decode_worker, inner):
@@ -224,7 +234,10 @@ class ProxyService(StreamingGenerationService):
         stats = pb.StatsResponse(role="proxy")
 
         async def one(worker: WorkerHandle) -> pb.WorkerStats:
-            entry = pb.WorkerStats(address=worker.address, num_outstanding=worker.num_outstanding, is_healthy=worker.is_healthy)
+            entry = pb.WorkerStats(
+                address=worker.address, num_outstanding=worker.num_outstanding, is_healthy=worker.is_healthy,
+                num_indexed_blocks=len(worker.kv_index.block_hashes),
+            )
             with contextlib.suppress(grpc.aio.AioRpcError):
                 entry.stats.CopyFrom(await worker.stub.Stats(pb.StatsRequest(), timeout=5, metadata=worker.metadata))
             return entry

@@ -13,8 +13,10 @@ from grpc_health.v1 import health_pb2
 
 from kvservice.event_loop import run_event_loop
 from kvservice.model_loader import load_model_config, load_tokenizer, model_name
+from kvservice.routing_args import add_routing_arguments
 from kvservice.server.auth import BearerTokenInterceptor
 from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, add_log_level_argument, configure_logging
+from kvservice.server.kv_subscriber import KVEventSubscriptions
 from kvservice.server.metrics import (
     ServerMetrics,
     metrics_app,
@@ -23,6 +25,7 @@ from kvservice.server.metrics import (
 )
 from kvservice.server.openai_front import OpenAIFront
 from kvservice.server.proxy import DEFAULT_REQUEST_TIMEOUT_S, ProxyService
+from kvservice.server.router import Router
 from kvservice.server.worker_pool import WorkerPool
 from kvservice.tls import TLSFiles, add_tls_arguments
 from kvservice.tokenizer import Tokenizer
@@ -42,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default: 30)")
     parser.add_argument("--http-port", type=int, default=None, help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/models, /health) on this port; 0 lets the OS pick (default: off)")
     parser.add_argument("--served-model-name", default=None, help="the model name the HTTP API answers to (default: --model's own name, else 'kvservice')")
-    parser.add_argument("--model", default=None, help="the workers' model (tiny, smollm2, a directory or a GGUF file): the proxy loads its tokenizer only, for /tokenize and /detokenize, and its name and length for /v1/models (default: none)")
+    parser.add_argument("--model", default=None, help="the workers' model (tiny, smollm2, a directory or a GGUF file): the proxy loads its tokenizer only, to route text and chat prompts by cache (--routing kv-aware) and for /tokenize and /detokenize, and its name and length for /v1/models (default: none)")
     parser.add_argument("--max-model-len", type=int, default=None, help="the maximum length /v1/models reports (default: the model's)")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 lets the OS pick (default: off)")
     parser.add_argument(
@@ -54,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
         help=f"deadline of one request's calls to its workers, whole stream included, seconds (default: {DEFAULT_REQUEST_TIMEOUT_S:g})",
     )
+    add_routing_arguments(parser)
     add_log_level_argument(parser)
     add_tls_arguments(parser)
 
@@ -91,7 +95,12 @@ async def serve(args: argparse.Namespace) -> int:
     assert metrics.workers_healthy is not None
     metrics.workers_healthy.labels("prefill").set_function(lambda: prefill.num_healthy)
     metrics.workers_healthy.labels("decode").set_function(lambda: decode.num_healthy)
-    service = ProxyService(prefill, decode, metrics, retry_decode=args.retry_decode, request_timeout=args.request_timeout)
+    router = Router(prefill, decode, args.routing, args.max_local_prefill_tokens)
+    service = ProxyService(
+        prefill, decode, metrics, retry_decode=args.retry_decode, request_timeout=args.request_timeout, router=router, tokenizer=tokenizer,
+    )
+    # Each worker's cache index, from its KV events: only kv-aware routing and local prefill read it.
+    subscriptions = KVEventSubscriptions(prefill.workers + decode.workers if router.needs_kv_events else [])
     interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
     server = GrpcServer([SERVICE_NAMES["generation"]], tls.server_credentials(), interceptors)
     pb_grpc.add_GenerationServicer_to_server(service, server.server)
@@ -124,6 +133,7 @@ async def serve(args: argparse.Namespace) -> int:
             await runner.cleanup()
         raise
     monitor = asyncio.create_task(_monitor(server, prefill, decode, args.health_interval))
+    subscriptions.start()
 
     async def drain_http(deadline: float) -> None:
         """Alongside the gRPC drain, within the same grace period: /health turns 503, new
@@ -137,6 +147,7 @@ async def serve(args: argparse.Namespace) -> int:
         monitor.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await monitor
+        await subscriptions.close()
         await prefill.close()
         await decode.close()
 

@@ -1,4 +1,8 @@
-"""The proxy's view of its workers: channels, health, and outstanding requests per worker."""
+"""The proxy's view of its workers: channels, health, outstanding requests and cached blocks per worker.
+
+Which worker takes a request is the router's choice (`kvservice.server.router`); a
+worker's load is its `num_outstanding`: requests the proxy sent it that have not ended.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
+from kvservice.server.kv_index import KVBlockIndex
 from kvservice.tls import bearer_metadata
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
@@ -31,10 +36,11 @@ class WorkerHandle:
     num_outstanding: int = 0
     is_healthy: bool = False
     last_error: str = field(default="not checked yet")
+    kv_index: KVBlockIndex = field(default_factory=KVBlockIndex)  # fed by its KV event subscription
 
 
 class WorkerPool:
-    """Workers of one role. `pick` returns the healthy one with the fewest outstanding requests."""
+    """Workers of one role."""
 
     def __init__(
         self, addresses: list[str], credentials: grpc.ChannelCredentials | None = None, auth_token: str | None = None
@@ -54,11 +60,9 @@ class WorkerPool:
     def num_healthy(self) -> int:
         return sum(w.is_healthy for w in self.workers)
 
-    def pick(self, exclude: set[str] | None = None) -> WorkerHandle | None:
-        candidates = [w for w in self.workers if w.is_healthy and (exclude is None or w.address not in exclude)]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda w: w.num_outstanding)
+    @property
+    def healthy(self) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.is_healthy]
 
     @contextlib.contextmanager
     def using(self, worker: WorkerHandle) -> Iterator[WorkerHandle]:

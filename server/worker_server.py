@@ -4,6 +4,8 @@ Each role is an engine plus the services of that role:
   prefill: Worker.Prefill + KVTransfer.PullKV, with a staging pool and a transfer registry;
   decode:  Worker.Decode, with the pull connector;
   both:    the client API (Generation), no connector - the baseline.
+Every role also serves Worker.Stats and Worker.SubscribeKVEvents: its prefix cache's
+changes, which is how the proxy routes by what each worker caches.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ from kvservice.server.auth import BearerTokenInterceptor, PeerNameInterceptor
 from kvservice.server.colocated_service import ColocatedGenerationService
 from kvservice.server.decode_service import DecodeWorkerService
 from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, add_log_level_argument, configure_logging
+from kvservice.server.kv_events import KVEventPublisher
 from kvservice.server.metrics import ServerMetrics, metrics_app, start_http
 from kvservice.server.openai_front import OpenAIFront
 from kvservice.server.prefill_service import PrefillWorkerService
 from kvservice.server.stats import engine_stats, transfer_counters_to_proto
+from kvservice.server.worker_service import EngineWorkerService
 from kvservice.tls import TLSFiles, add_tls_arguments, add_worker_peer_names_argument, check_worker_peer_names
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
@@ -127,7 +131,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
             auth_token=args.auth_token,
         )
     engine = await asyncio.to_thread(LLMEngine, args.model, config, connector)
-    async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_queued_requests)
+    kv_events = KVEventPublisher(asyncio.get_running_loop(), config.block_size, engine.kv_hash_seed)
+    async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_queued_requests, kv_events_sink=kv_events.publish)
     if isinstance(connector, DecodeKVConnector):
         connector.on_load_done = async_engine.wake
     async_engine.start()
@@ -142,17 +147,18 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
     if args.worker_peer_names is not None:
         interceptors.append(PeerNameInterceptor(args.worker_peer_names))
     if args.role == "both":
-        server = GrpcServer([SERVICE_NAMES["generation"]], credentials, interceptors)
+        server = GrpcServer([SERVICE_NAMES["generation"], SERVICE_NAMES["worker"]], credentials, interceptors)
         generation = ColocatedGenerationService(async_engine, metrics=metrics)
         pb_grpc.add_GenerationServicer_to_server(generation, server.server)
+        pb_grpc.add_WorkerServicer_to_server(EngineWorkerService(async_engine, "both", kv_events), server.server)
     elif args.role == "decode":
         server = GrpcServer([SERVICE_NAMES["worker"]], credentials, interceptors)
         kv_peers = frozenset(args.kv_peers) if args.kv_peers is not None else None
-        pb_grpc.add_WorkerServicer_to_server(DecodeWorkerService(async_engine, metrics=metrics, kv_peers=kv_peers), server.server)
+        pb_grpc.add_WorkerServicer_to_server(DecodeWorkerService(async_engine, metrics=metrics, kv_peers=kv_peers, kv_events=kv_events), server.server)
     else:
         assert registry is not None
         server = GrpcServer([SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], credentials, interceptors)
-        prefill_service = PrefillWorkerService(async_engine, registry, metrics=metrics)
+        prefill_service = PrefillWorkerService(async_engine, registry, metrics=metrics, kv_events=kv_events)
         pb_grpc.add_WorkerServicer_to_server(prefill_service, server.server)
         transfer_service = KVTransferService(registry)
         server.server.add_generic_rpc_handlers([transfer_service.handler()])
@@ -201,13 +207,14 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         if connector is not None:
             connector.shutdown()
 
-    async def serve_staged_pulls(deadline: float) -> None:
+    async def prepare_drain(deadline: float) -> None:
+        kv_events.close()  # event streams never end by themselves: end them before the drain waits for them
         # Decode workers were promised this KV: refusing their pulls would make them recompute.
         if prefill_service is not None and async_engine.error is None:
             await prefill_service.drain()
 
     await server.run_until_signalled(
-        args.grace_period, on_stop, ready_line=ready_line, stop=stop, before_stop=serve_staged_pulls
+        args.grace_period, on_stop, ready_line=ready_line, stop=stop, before_stop=prepare_drain
     )
     if async_engine.error is not None:
         print(f"kvservice serve: error: the engine failed: {async_engine.error!r}", file=sys.stderr)

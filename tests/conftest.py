@@ -178,7 +178,10 @@ async def kill_all(processes: Sequence[asyncio.subprocess.Process]) -> None:
 # ---------------------------------------------------------------- worker RPCs as a hostile caller makes them
 
 # The RPCs each worker role serves besides health.
-WORKER_RPCS = {"prefill": ("Prefill", "ReleaseKV", "Stats", "PullKV", "Reflection"), "decode": ("Decode", "Stats", "Reflection")}
+WORKER_RPCS = {
+    "prefill": ("Prefill", "ReleaseKV", "Stats", "SubscribeKVEvents", "PullKV", "Reflection"),
+    "decode": ("Decode", "Stats", "SubscribeKVEvents", "Reflection"),
+}
 
 
 async def drain(call: AsyncIterator[object]) -> None:
@@ -200,6 +203,7 @@ def worker_calls(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...
         )),
         "ReleaseKV": lambda: worker.ReleaseKV(pb.ReleaseKVRequest(request_id="victim", transfer_token=b"t"), timeout=10, metadata=metadata),
         "Stats": lambda: worker.Stats(pb.StatsRequest(), timeout=10, metadata=metadata),
+        "SubscribeKVEvents": lambda: drain(worker.SubscribeKVEvents(pb.KVEventsRequest(), timeout=10, metadata=metadata)),
         "PullKV": lambda: drain(pull(pb.PullKVRequest(request_id="victim", transfer_token=b"t"), timeout=10, metadata=metadata)),
         # No request message: the server may refuse before the client could write one, and a
         # write racing the refusal fails on the client as INTERNAL. Served, this call ends OK.

@@ -20,7 +20,7 @@ from kvservice.client.client import KVServiceClient
 from kvservice.engine_args import engine_config
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.model_loader import load_model_config
-from kvservice.server import worker_server
+from kvservice.server import proxy_server, worker_server
 
 KVSERVICE = str(pathlib.Path(sys.executable).with_name("kvservice"))
 
@@ -51,6 +51,16 @@ def test_engine_flags_given_to_launch_are_every_workers_engine_config() -> None:
 def test_launch_passes_no_engine_flag_left_at_its_default() -> None:
     args = _parse(launch.add_arguments, "--num-decode", "2", "--", "--kv-staging-mib", "8")
     assert launch.worker_argv(args) == ["--kv-staging-mib", "8"]
+
+
+def test_routing_flags_given_to_launch_reach_the_proxy() -> None:
+    args = _parse(launch.add_arguments, "--model", "smollm2", "--routing", "round-robin", "--max-local-prefill-tokens", "64")
+    proxy = _parse(proxy_server.add_arguments, "--decode", "127.0.0.1:1", *launch.proxy_argv(args))
+    assert (proxy.routing, proxy.max_local_prefill_tokens, proxy.model) == ("round-robin", 64, "smollm2")
+    defaults = _parse(proxy_server.add_arguments, "--decode", "127.0.0.1:1", *launch.proxy_argv(_parse(launch.add_arguments)))
+    assert (defaults.routing, defaults.max_local_prefill_tokens) == ("kv-aware", 0)
+    with pytest.raises(SystemExit):
+        _parse(launch.add_arguments, "--max-local-prefill-tokens", "-1")
 
 
 def test_launch_rejects_a_bad_engine_flag_before_starting_workers(capsys: pytest.CaptureFixture[str]) -> None:

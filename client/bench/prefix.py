@@ -178,7 +178,9 @@ async def _measure(args: argparse.Namespace, workload: Workload, deployments: Se
         print(f"{configuration.name}: starting", file=sys.stderr, flush=True)
         cluster = LocalCluster(
             args.model, NUM_PREFILL, NUM_DECODE,
-            worker_args=[*extra_worker_args, *configuration.worker_args], proxy_args=configuration.proxy_args,
+            worker_args=[*extra_worker_args, *configuration.worker_args],
+            # The proxy hashes text and chat prompts with the model's tokenizer (kv-aware routing).
+            proxy_args=[*configuration.proxy_args, "--model", args.model],
         )
         try:
             async with cluster:

@@ -1,0 +1,40 @@
+"""The proxy's routing flags, defined once: `kvservice proxy` parses them, `kvservice launch` passes them on."""
+
+from __future__ import annotations
+
+import argparse
+
+ROUTING_POLICIES = ("kv-aware", "least-loaded", "round-robin")
+DEFAULT_ROUTING = "kv-aware"
+# Provisional: 0 keeps every request disaggregated until the crossover (local prefill vs
+# remote prefill plus transfer) is measured with `kvservice bench prefix`.
+DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 0
+
+
+def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--routing", choices=ROUTING_POLICIES, default=DEFAULT_ROUTING,
+        help="how the proxy picks workers: kv-aware (by what each worker caches, learned from its KV events: "
+        "the prefill worker with the fewest uncached prompt tokens plus load, the decode worker with the fewest "
+        "blocks to pull plus load; text and chat prompts need --model's tokenizer, else least-loaded), "
+        f"least-loaded (fewest outstanding requests), round-robin (in turn) (default: {DEFAULT_ROUTING})",
+    )
+    parser.add_argument(
+        "--max-local-prefill-tokens", type=_non_negative_int, default=DEFAULT_MAX_LOCAL_PREFILL_TOKENS, metavar="N",
+        help="conditional disaggregation: when the part of a prompt the chosen decode worker does not hold "
+        "(per its KV events) is at most N tokens, that decode worker prefills it itself and no prefill worker "
+        "sees the request (short prompts, a conversation's next turn); 0 disables "
+        f"(default: {DEFAULT_MAX_LOCAL_PREFILL_TOKENS}, provisional until measured)",
+    )
+
+
+def routing_argv(args: argparse.Namespace) -> list[str]:
+    """The routing flags of `args` as proxy arguments."""
+    return ["--routing", args.routing, "--max-local-prefill-tokens", str(args.max_local_prefill_tokens)]
+
+
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
+    return number

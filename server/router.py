@@ -1,0 +1,109 @@
+"""Which workers take a request: the routing policy (`--routing`), apart from the request flow (`proxy.py`).
+
+- `round-robin`: each worker in turn.
+- `least-loaded`: the fewest outstanding requests (`WorkerHandle.num_outstanding`).
+- `kv-aware` (default): the lowest cost, in prompt tokens, from each worker's index of
+  cached blocks (`kv_index`, fed by its KV events):
+    prefill worker: uncached prompt tokens (what it computes) + PREFILL_LOAD_TOKENS per outstanding request;
+    decode worker:  tokens of the blocks it would pull (prompt blocks past its cached prefix,
+                    the partial last block included) + DECODE_LOAD_TOKENS per outstanding request.
+  Without the prompt's token ids (text or chat and no tokenizer) it is least-loaded.
+Ties go to the next worker in turn, so equal workers share the work. Unhealthy workers are
+never picked.
+
+Conditional disaggregation (`--max-local-prefill-tokens N`, any policy): when the chosen
+decode worker lacks at most N tokens of the prompt, it prefills them itself and no prefill
+worker takes part.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvservice.routing_args import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_ROUTING, ROUTING_POLICIES
+from kvservice.server.errors import NoWorkerAvailable
+from kvservice.server.worker_pool import WorkerHandle, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+# A request already on a prefill worker delays a new one by its own prefill: counted as a
+# medium prompt's uncached part, so a worker that holds a long prefix still wins over a
+# less busy one that would compute it again, and equal caches split by load.
+PREFILL_LOAD_TOKENS = 256
+# A request already on a decode worker slows each of its steps a little; pulling a missing
+# prefix costs its transfer and, for the prefill worker, its compute. 64 tokens per request
+# keeps a conversation or a shared prefix on the worker that holds it until that worker
+# runs many (a 1,536-token prefix: ~24) more requests than another.
+DECODE_LOAD_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    decode: WorkerHandle
+    prefill: WorkerHandle | None  # None: the decode worker prefills the prompt itself
+    num_uncached_tokens: int | None  # prompt tokens the decode worker lacks; None: unknown
+
+
+class Router:
+    def __init__(
+        self, prefill: WorkerPool, decode: WorkerPool, policy: str = DEFAULT_ROUTING,
+        max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+    ) -> None:
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing: expected one of {', '.join(ROUTING_POLICIES)}, got {policy!r}")
+        if max_local_prefill_tokens < 0:
+            raise ValueError(f"max_local_prefill_tokens must be >= 0, got {max_local_prefill_tokens}")
+        self.prefill = prefill
+        self.decode = decode
+        self.policy = policy
+        self.max_local_prefill_tokens = max_local_prefill_tokens
+        self._turns = {id(prefill): itertools.count(), id(decode): itertools.count()}
+
+    @property
+    def needs_kv_events(self) -> bool:
+        """Whether any decision reads the workers' cache indexes (subscribe to their events)."""
+        return self.policy == "kv-aware" or self.max_local_prefill_tokens > 0
+
+    def route(self, token_ids: Sequence[int] | None, exclude_decode: frozenset[str] | set[str] = frozenset(),
+              use_prefill: bool = True) -> Route:
+        """The workers for a prompt (`token_ids`, None when unknown); `use_prefill=False`: the
+        decode worker prefills (a retry). Raises NoWorkerAvailable without a healthy decode worker."""
+        decoders = [w for w in self.decode.healthy if w.address not in exclude_decode]
+        if not decoders:
+            raise NoWorkerAvailable("no healthy decode worker")
+        hashes: dict[tuple[int, int], list[int]] = {}
+
+        def cached_tokens(worker: WorkerHandle) -> int:
+            assert token_ids is not None
+            return worker.kv_index.num_cached_tokens(token_ids, hashes)
+
+        def pull_cost(worker: WorkerHandle) -> int:
+            assert token_ids is not None
+            block_size = worker.kv_index.block_size or 1
+            num_prompt_tokens = -(-len(token_ids) // block_size) * block_size
+            return num_prompt_tokens - cached_tokens(worker) + DECODE_LOAD_TOKENS * worker.num_outstanding
+
+        def prefill_cost(worker: WorkerHandle) -> int:
+            assert token_ids is not None
+            return len(token_ids) - cached_tokens(worker) + PREFILL_LOAD_TOKENS * worker.num_outstanding
+
+        decode = self._pick(self.decode, decoders, token_ids, pull_cost)
+        num_uncached = len(token_ids) - cached_tokens(decode) if token_ids is not None and self.needs_kv_events else None
+        if num_uncached is not None and 0 < self.max_local_prefill_tokens and num_uncached <= self.max_local_prefill_tokens:
+            return Route(decode, None, num_uncached)
+        prefillers = self.prefill.healthy if use_prefill else []
+        prefill = self._pick(self.prefill, prefillers, token_ids, prefill_cost) if prefillers else None
+        return Route(decode, prefill, num_uncached)
+
+    def _pick(self, pool: WorkerPool, candidates: list[WorkerHandle], token_ids: Sequence[int] | None,
+              kv_cost: Callable[[WorkerHandle], int]) -> WorkerHandle:
+        start = next(self._turns[id(pool)]) % len(candidates)
+        in_turn = candidates[start:] + candidates[:start]
+        if self.policy == "round-robin":
+            return in_turn[0]
+        if self.policy == "kv-aware" and token_ids is not None:
+            return min(in_turn, key=kv_cost)
+        return min(in_turn, key=lambda w: w.num_outstanding)
