@@ -7,10 +7,10 @@ import pytest
 from kvservice.client.bench.local_prefill import ModeResult, crossover, report
 
 
-def mode(medians_ms: dict[int, float]) -> ModeResult:
+def mode(medians_ms: dict[int, float], gap_ms: float = 50) -> ModeResult:
     return ModeResult(
         ttft_s={n: [ms / 1000, ms / 1000 + 1.0, ms / 1000 - 0.001] for n, ms in medians_ms.items()},
-        max_background_gap_s={n: 0.05 for n in medians_ms},
+        max_background_gap_s={n: [gap_ms / 1000, 10.0, 0.0] for n in medians_ms},
     )
 
 
@@ -26,11 +26,19 @@ def mode(medians_ms: dict[int, float]) -> ModeResult:
 def test_the_crossover_is_the_last_length_before_local_prefill_first_loses(
     local_ms: dict[int, float], remote_ms: dict[int, float], expected: int
 ) -> None:
-    assert crossover(mode(local_ms), mode(remote_ms), sorted(local_ms)) == expected
+    assert crossover(mode(local_ms), mode(remote_ms), sorted(local_ms), num_streams=4) == expected
 
 
-def test_the_report_puts_both_modes_side_by_side_with_their_ratio() -> None:
-    table = report(mode({16: 10, 64: 40}), mode({16: 20, 64: 20}), [16, 64])
+def test_the_stall_of_running_streams_counts_once_per_stream() -> None:
+    local = ModeResult(ttft_s={16: [0.010], 64: [0.020]}, max_background_gap_s={16: [0.012], 64: [0.030]})
+    remote = mode({16: 30, 64: 40}, gap_ms=10)
+    # 16: 10 + 2 x 2 = 14 <= 30; 64: 20 + 2 x 20 = 60 > 40.
+    assert crossover(local, remote, [16, 64], num_streams=2) == 16
+    assert crossover(local, remote, [16, 64], num_streams=0) == 64  # an idle decode worker: only TTFT counts
+
+
+def test_the_report_puts_both_modes_side_by_side() -> None:
+    table = report(mode({16: 10, 64: 40}, gap_ms=30), mode({16: 20, 64: 20}, gap_ms=10), [16, 64], num_streams=1)
     rows = {line.split()[0]: line.split() for line in table.splitlines() if line[:1].isdigit()}
-    assert rows["16"][1:4] == ["10.00", "20.00", "2.00x"]
-    assert rows["64"][1:4] == ["40.00", "20.00", "0.50x"]
+    assert rows["16"][1:] == ["10.00", "20.00", "30.00", "10.00", "30.00", "1.50x"]
+    assert rows["64"][1:] == ["40.00", "20.00", "30.00", "10.00", "60.00", "3.00x"]

@@ -12,9 +12,12 @@ prefill worker pinned to one core, the decode worker to the other):
 
 In each, `--background-streams` requests decode without end on the decode worker while
 probes of each length (fresh random tokens: nothing cached) are sent one at a time. A
-probe's TTFT is the figure; the background streams' largest gap between tokens during the
-probes shows what local prefill costs the requests already running. The crossover is the
-longest probe length up to which local prefill's median TTFT is no worse than remote's.
+probe's TTFT is one figure; the background streams' largest gap between tokens while the
+probe runs shows what local prefill costs the requests already running (both are
+medians over the probes, so one stray hiccup does not decide). Local prefill pays
+off while the delay it causes in all (the probe's TTFT plus, for every running stream,
+its stall beyond what it sees with remote prefill) is at most the remote probe's TTFT:
+the crossover is the longest probe length up to which that holds.
 """
 
 from __future__ import annotations
@@ -42,13 +45,23 @@ DEFAULT_LENGTHS = (16, 32, 64, 128, 256, 512, 1024)
 
 @dataclass
 class ModeResult:
-    """One mode's probes: TTFT seconds per prompt length, and the background's worst gap."""
+    """One mode's probes, per prompt length: each probe's TTFT, and the background
+    streams' largest gap between tokens while it ran (seconds)."""
 
     ttft_s: dict[int, list[float]] = field(default_factory=dict)
-    max_background_gap_s: dict[int, float] = field(default_factory=dict)
+    max_background_gap_s: dict[int, list[float]] = field(default_factory=dict)
 
     def median_ms(self, length: int) -> float:
         return 1000 * statistics.median(self.ttft_s[length])
+
+    def gap_ms(self, length: int) -> float:
+        return 1000 * statistics.median(self.max_background_gap_s[length])
+
+
+def local_delay_ms(local: ModeResult, remote: ModeResult, length: int, num_streams: int) -> float:
+    """What prefilling `length` tokens locally costs in all: the request's TTFT plus the
+    extra stall of each of the `num_streams` requests decoding meanwhile."""
+    return local.median_ms(length) + num_streams * max(0.0, local.gap_ms(length) - remote.gap_ms(length))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,24 +79,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for both workers")
 
 
-def crossover(local: ModeResult, remote: ModeResult, lengths: Sequence[int]) -> int:
-    """The longest length up to which local prefill's median TTFT is at most remote's (0: never)."""
+def crossover(local: ModeResult, remote: ModeResult, lengths: Sequence[int], num_streams: int) -> int:
+    """The longest length up to which local prefill's whole delay is at most the remote
+    TTFT (0: never)."""
     best = 0
     for length in sorted(lengths):
-        if local.median_ms(length) > remote.median_ms(length):
+        if local_delay_ms(local, remote, length, num_streams) > remote.median_ms(length):
             break
         best = length
     return best
 
 
-async def _background(client: KVServiceClient, prompt: list[int], gaps: list[float], stop: asyncio.Event) -> None:
-    """Decode without end (restarting when a request reaches its length), noting each gap between tokens."""
+async def _background(client: KVServiceClient, prompt: list[int], gaps: list[tuple[float, float]], stop: asyncio.Event) -> None:
+    """Decode without end (restarting when a request reaches its length), noting each gap
+    between tokens as (arrival time, gap)."""
     while not stop.is_set():
         last = None
         async for chunk in client.generate(prompt, max_tokens=512, temperature=0.0, ignore_eos=True, timeout=600):
             now = time.perf_counter()
             if last is not None and chunk.token_ids:
-                gaps.append(now - last)
+                gaps.append((now, now - last))
             last = now
             if stop.is_set():
                 break
@@ -100,22 +115,23 @@ async def measure_mode(args: argparse.Namespace, mode: str, lengths: Sequence[in
         # One warm-up probe per mode: the first forward pays one-time costs.
         await record_grpc_request(client, [rng.randrange(args.vocab_size) for _ in range(16)], f"{mode}-warmup", max_tokens=2)
         stop = asyncio.Event()
-        gaps: list[float] = []
+        gaps: list[tuple[float, float]] = []
         background = [
             asyncio.create_task(_background(client, [rng.randrange(args.vocab_size) for _ in range(32)], gaps, stop))
             for _ in range(args.background_streams)
         ]
         try:
             for length in lengths:
-                result.ttft_s[length] = []
-                gaps.clear()
+                result.ttft_s[length], result.max_background_gap_s[length] = [], []
                 for i in range(args.repeats):
                     prompt = [rng.randrange(args.vocab_size) for _ in range(length)]
                     record = await record_grpc_request(client, prompt, f"{mode}-{length}-{i}", max_tokens=2, timeout=args.request_timeout)
                     if not record.success or record.ttft is None:
                         raise RuntimeError(f"{mode}: a probe of {length} tokens failed: {record.error}")
                     result.ttft_s[length].append(record.ttft)
-                result.max_background_gap_s[length] = max(gaps, default=0.0)
+                    # The step that computed the probe's prompt ended the gap it caused by the probe's end.
+                    during = [gap for at, gap in gaps if record.start <= at <= record.end]
+                    result.max_background_gap_s[length].append(max(during, default=0.0))
                 print(f"{mode}: {length} tokens, median TTFT {result.median_ms(length):.1f} ms", file=sys.stderr)
         finally:
             stop.set()
@@ -127,16 +143,18 @@ async def measure_mode(args: argparse.Namespace, mode: str, lengths: Sequence[in
     return result
 
 
-def report(local: ModeResult, remote: ModeResult, lengths: Sequence[int]) -> str:
-    header = ("Uncached tokens", "local TTFT (ms)", "remote TTFT (ms)", "remote/local", "local max gap (ms)", "remote max gap (ms)")
-    rows = [
-        (
+def report(local: ModeResult, remote: ModeResult, lengths: Sequence[int], num_streams: int) -> str:
+    header = (
+        "Uncached tokens", "local TTFT (ms)", "remote TTFT (ms)", "local max gap (ms)", "remote max gap (ms)",
+        "local delay (ms)", "local delay/remote TTFT",
+    )
+    rows = []
+    for length in lengths:
+        delay = local_delay_ms(local, remote, length, num_streams)
+        rows.append((
             str(length), cell(local.median_ms(length)), cell(remote.median_ms(length)),
-            ratio(remote.median_ms(length), local.median_ms(length)),
-            cell(1000 * local.max_background_gap_s[length]), cell(1000 * remote.max_background_gap_s[length]),
-        )
-        for length in lengths
-    ]
+            cell(local.gap_ms(length)), cell(remote.gap_ms(length)), cell(delay), ratio(delay, remote.median_ms(length)),
+        ))
     return render(header, rows)
 
 
@@ -151,9 +169,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     local = asyncio.run(measure_mode(args, "local", lengths))
     remote = asyncio.run(measure_mode(args, "remote", lengths))
-    best = crossover(local, remote, lengths)
-    print(report(local, remote, lengths))
-    print(f"crossover: local prefill is no slower up to {best} uncached tokens (--max-local-prefill-tokens {best})")
+    best = crossover(local, remote, lengths, args.background_streams)
+    print(report(local, remote, lengths, args.background_streams))
+    print(f"local delay = local TTFT + {args.background_streams} streams x their extra stall (local max gap - remote max gap)")
+    print(f"crossover: local prefill costs no more up to {best} uncached tokens (--max-local-prefill-tokens {best})")
     if args.json:
         print(json.dumps({"model": args.model, "lengths": lengths, "crossover": best,
                           "local": asdict(local), "remote": asdict(remote)}))
