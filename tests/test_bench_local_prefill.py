@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import pytest
 
-from kvservice.client.bench.local_prefill import ModeResult, crossover, report
+from kvservice.client.bench.local_prefill import ModeResult, add_arguments, crossover, main, report
 
 
 def mode(medians_ms: dict[int, float], gap_ms: float = 50) -> ModeResult:
@@ -42,3 +45,17 @@ def test_the_report_puts_both_modes_side_by_side() -> None:
     rows = {line.split()[0]: line.split() for line in table.splitlines() if line[:1].isdigit()}
     assert rows["16"][1:] == ["10.00", "20.00", "30.00", "10.00", "30.00", "1.50x"]
     assert rows["64"][1:] == ["40.00", "20.00", "30.00", "10.00", "60.00", "3.00x"]
+
+
+@pytest.mark.slow
+def test_a_small_sweep_runs_both_modes_and_names_a_crossover(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--lengths", "8,24", "--repeats", "1", "--background-streams", "1", "--json"])
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["lengths"] == [8, 24] and result["crossover"] in (0, 8, 24)
+    for mode_name in ("local", "remote"):
+        assert all(len(v) == 1 and v[0] > 0 for v in result[mode_name]["ttft_s"].values())
+        assert all(v[0] > 0 for v in result[mode_name]["max_background_gap_s"].values()), "the background stream did not decode"

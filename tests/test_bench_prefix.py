@@ -74,3 +74,6 @@ async def test_bench_prefix_runs_caching_off_and_on_side_by_side(tmp_path: Path,
         assert result[name]["kv_bytes_received_per_request"] > 0  # two decode workers, each pulled
     # Same workload in both: same prompt lengths, same order.
     assert result["off"]["input_lens"] == result["on"]["input_lens"] == [40] * 4
+    # Each 32-token prefix is two blocks of 16: from its second use on, the prefill worker finds them.
+    assert not result["off"]["prefix_cache_hit_rate"]
+    assert result["on"]["prefill_prefix_cache_hit_rate"] > 0

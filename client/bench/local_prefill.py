@@ -90,18 +90,32 @@ def crossover(local: ModeResult, remote: ModeResult, lengths: Sequence[int], num
     return best
 
 
-async def _background(client: KVServiceClient, prompt: list[int], gaps: list[tuple[float, float]], stop: asyncio.Event) -> None:
+async def _background(
+    client: KVServiceClient, prompt: list[int], gaps: list[tuple[float, float]], decoding: asyncio.Event, stop: asyncio.Event
+) -> None:
     """Decode without end (restarting when a request reaches its length), noting each gap
-    between tokens as (arrival time, gap)."""
+    between tokens as (arrival time, gap); `decoding` is set at the first gap."""
     while not stop.is_set():
         last = None
         async for chunk in client.generate(prompt, max_tokens=512, temperature=0.0, ignore_eos=True, timeout=600):
             now = time.perf_counter()
             if last is not None and chunk.token_ids:
                 gaps.append((now, now - last))
+                decoding.set()
             last = now
             if stop.is_set():
                 break
+
+
+async def _until_decoding(decoding: Sequence[asyncio.Event], background: Sequence[asyncio.Task[None]]) -> None:
+    """Until every background stream decodes; raises if one ends before it does."""
+    for started, task in zip(decoding, background):
+        waiter = asyncio.ensure_future(started.wait())
+        await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+        if not started.is_set():
+            waiter.cancel()
+            task.result()  # raises what ended the stream
+            raise RuntimeError("a background stream ended before it decoded")
 
 
 async def measure_mode(args: argparse.Namespace, mode: str, lengths: Sequence[int]) -> ModeResult:
@@ -116,11 +130,13 @@ async def measure_mode(args: argparse.Namespace, mode: str, lengths: Sequence[in
         await record_grpc_request(client, [rng.randrange(args.vocab_size) for _ in range(16)], f"{mode}-warmup", max_tokens=2)
         stop = asyncio.Event()
         gaps: list[tuple[float, float]] = []
+        decoding = [asyncio.Event() for _ in range(args.background_streams)]
         background = [
-            asyncio.create_task(_background(client, [rng.randrange(args.vocab_size) for _ in range(32)], gaps, stop))
-            for _ in range(args.background_streams)
+            asyncio.create_task(_background(client, [rng.randrange(args.vocab_size) for _ in range(32)], gaps, started, stop))
+            for started in decoding
         ]
         try:
+            await asyncio.wait_for(_until_decoding(decoding, background), args.request_timeout)
             for length in lengths:
                 result.ttft_s[length], result.max_background_gap_s[length] = [], []
                 for i in range(args.repeats):
