@@ -48,9 +48,8 @@ class BearerToken:
         return hmac.compare_digest(bytes(presented), self._expected)
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str) -> None:
-        self._token = BearerToken(token)
+class _GuardInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every RPC's handler but health's in `_guard`."""
 
     async def intercept_service(
         self,
@@ -60,7 +59,18 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(OPEN_PREFIX):
             return handler
-        if self._is_authorized(handler_call_details.invocation_metadata or ()):
+        return self._guard(handler, handler_call_details)
+
+    def _guard(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        raise NotImplementedError
+
+
+class BearerTokenInterceptor(_GuardInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = BearerToken(token)
+
+    def _guard(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        if self._is_authorized(details.invocation_metadata or ()):
             return handler
         return _checked(handler, _deny_unauthenticated)
 
@@ -68,21 +78,14 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         return self._token.matches(next((value for key, value in metadata if key == "authorization"), None))
 
 
-class PeerNameInterceptor(grpc.aio.ServerInterceptor):
+class PeerNameInterceptor(_GuardInterceptor):
     """Every RPC but health only for peers whose client certificate names one of `names`
     (mutual TLS; the subject CN or a subject alternative name); others get PERMISSION_DENIED."""
 
     def __init__(self, names: Iterable[str]) -> None:
         self._names = frozenset(name.encode() for name in names)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(OPEN_PREFIX):
-            return handler
+    def _guard(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         return _checked(handler, self._check_peer)
 
     async def _check_peer(self, context: grpc.aio.ServicerContext) -> None:

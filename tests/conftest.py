@@ -3,6 +3,7 @@ session), and the waits, Stats helpers and cluster of the multi-process tests.""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -212,6 +213,13 @@ def worker_calls(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...
 
 
 _tiny_llm: LLM | None = None
+
+
+def parse_flags(add_arguments: Callable[[argparse.ArgumentParser], None], *argv: str) -> argparse.Namespace:
+    """A command's flags as its `add_arguments` defines them, parsed from `argv`."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
 
 
 def tiny_greedy(prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:

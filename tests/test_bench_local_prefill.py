@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
+from conftest import parse_flags
 
 from kvservice.client.bench.local_prefill import ModeResult, add_arguments, crossover, main, report
 
@@ -49,9 +49,7 @@ def test_the_report_puts_both_modes_side_by_side() -> None:
 
 @pytest.mark.slow
 def test_a_small_sweep_runs_both_modes_and_names_a_crossover(capsys: pytest.CaptureFixture[str]) -> None:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--lengths", "8,24", "--repeats", "1", "--background-streams", "1", "--json"])
+    args = parse_flags(add_arguments, "--lengths", "8,24", "--repeats", "1", "--background-streams", "1", "--json")
     assert main(args) == 0
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])

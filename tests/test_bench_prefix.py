@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import parse_flags
 
 from kvservice.client.bench import prefix
 from kvservice.client.cluster import LaunchError
@@ -50,9 +51,7 @@ def test_table_puts_configurations_side_by_side_with_ratios_to_the_first() -> No
 
 
 def _prefix_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    prefix.add_arguments(parser)
-    return parser.parse_args(list(argv))
+    return parse_flags(prefix.add_arguments, *argv)
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from conftest import local_cluster
+from conftest import local_cluster, parse_flags
 
 from kvservice.client.bench import serve as bench_serve
 from kvservice.client.bench.compare import format_compare_table, plan_cores
@@ -25,9 +25,7 @@ _LATENCIES = ("ttft", "tpot", "itl", "e2el", "ttst")
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    bench_serve.add_arguments(parser)
-    return parser.parse_args(list(argv))
+    return parse_flags(bench_serve.add_arguments, *argv)
 
 
 @pytest.mark.slow
