@@ -5,7 +5,7 @@ matmul each (`fuse_checkpoint_weights` maps a checkpoint's state dict onto them)
 The forward takes a flat batch of tokens ([T]) from many requests; attention reads
 and writes the paged cache through `AttentionMetadata`. On CPU, when the C++ kernels
 are loaded (`kvservice.cpu_kernels`), the residual add + RMSNorm and the rotary
-embedding run as one call each, and a float32 GGUF model's matmuls of a few rows read its
+embedding run as one call each, and a GGUF model's matmuls of a few rows read its
 block-quantized weights (`kvservice.block_quant`); the PyTorch formulas here are the fallback.
 A KV connector, when given, is called around each layer: `wait_for_layer_load`
 before, `save_kv_layer` after.
@@ -40,6 +40,13 @@ def has_native_bf16_matmul() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def is_block_quant_faster(dtype: torch.dtype) -> bool:
+    """Whether a `dtype` model on this CPU should decode over block-quantized weights: float32,
+    and bfloat16 where its matmuls are emulated (it computes with a float32 copy then, the
+    matmul `MAX_BLOCK_QUANT_ROWS` was measured against)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and not has_native_bf16_matmul())
+
+
 def _can_pack_weights() -> bool:
     """oneDNN's prepacked linear (the ops inductor's CPU freezing uses) is in this torch build."""
     return (
@@ -63,7 +70,7 @@ class Linear(nn.Linear):
     compute_weight: torch.Tensor | None = None
     compute_bias: torch.Tensor | None = None
     is_packed: bool = False
-    # The same float32 weight in GGUF's block quantization, for inputs of at most
+    # The same weight in GGUF's block quantization, for inputs of at most
     # `MAX_BLOCK_QUANT_ROWS` rows when the C++ kernels are loaded (see `kvservice.block_quant`).
     block_quant: BlockQuantWeight | None = None
 
@@ -76,8 +83,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block_quant is not None and x.dim() == 2 and x.shape[0] <= MAX_BLOCK_QUANT_ROWS and kernels_loaded():
-            y = self.block_quant.linear(x)
-            return y if self.bias is None else y.add_(self.bias)
+            return self.block_quant.linear(x, self.bias)
         weight = self.compute_weight
         if weight is None:
             return nn.functional.linear(x, self.weight, self.bias)
@@ -263,9 +269,9 @@ class CausalLM(nn.Module):
                 module.prepare(widen, pack=name == "lm_head", batch_hint=batch_hint)
 
     def use_block_quant(self, weights: dict[str, BlockQuantWeight]) -> None:
-        """Give each named `Linear` its weight's block-quantized copy (float32 models only:
-        its values are the float32 weight's, bit for bit)."""
-        assert self.model.embed_tokens.weight.dtype == torch.float32
+        """Give each named `Linear` its weight's block-quantized copy (float32 and bfloat16
+        models: the kernel's weight values are the model's, bit for bit)."""
+        assert self.model.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
         for name, weight in weights.items():
             module = self.get_submodule(name)
             assert isinstance(module, Linear) and weight.shape == tuple(module.weight.shape), name

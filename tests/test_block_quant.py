@@ -1,6 +1,6 @@
 """Block-quantized weights: the C++ kernel equals the PyTorch formula, and the weights it
-reads are the GGUF loader's float32 weights bit for bit (so the model computes the same
-function with either path).
+reads are the GGUF loader's float32 (or bfloat16) weights bit for bit (so the model computes
+the same function with either path).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from gguf_models import GGUFSpec, random_state, write_gguf
 
 from kvservice import LLM, SamplingParams
+from kvservice import model as model_module
 from kvservice.block_quant import BlockQuantWeight
 from kvservice.cpu_kernels import load_cpu_kernels
 from kvservice.gguf_loader import block_rows, gguf_block_quant_rows, gguf_model_config, gguf_state_dict, open_gguf
@@ -45,23 +46,67 @@ def test_kernel_equals_the_pytorch_formula(kernels: None, num_rows: int, shape: 
     torch.testing.assert_close(weight.linear(x), weight.linear_reference(x), rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("num_rows", [1, 2, 6, 7, 16, 64])
+@pytest.mark.parametrize(("shape", "is_signed"), [((960, 576), False), ((160, 288), True)])
+def test_bfloat16_kernel_rounds_the_float32_sum_once(
+    kernels: None, num_rows: int, shape: tuple[int, int], is_signed: bool
+) -> None:
+    weight = _random_weight(*shape, is_signed, seed=num_rows)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(num_rows, shape[1], generator=gen).bfloat16()
+    bias = torch.randn(shape[0], generator=gen).bfloat16()
+    got = weight.linear(x, bias)
+    assert got.dtype == torch.bfloat16
+    # The float32 sum of the bfloat16 weights' products, unrounded: the kernel's result is it
+    # rounded to bfloat16 (half a unit in the last place: 2^-8 relative), up to the float32
+    # summation order, which flips the rounding only where the sum sits at a tie.
+    exact = torch.nn.functional.linear(x.float(), weight.dequantize(torch.bfloat16).float(), bias.float())
+    torch.testing.assert_close(got.float(), exact, rtol=2**-8, atol=1e-5)
+    expected = weight.linear_reference(x, bias)
+    assert (got == expected).float().mean() >= 0.99
+
+
+def test_float32_kernel_adds_the_bias(kernels: None) -> None:
+    weight = _random_weight(160, 288, True, seed=3)
+    gen = torch.Generator().manual_seed(8)
+    x, bias = torch.randn(5, 288, generator=gen), torch.randn(160, generator=gen)
+    torch.testing.assert_close(weight.linear(x, bias), weight.linear_reference(x, bias), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(weight.linear(x, bias), weight.linear(x) + bias, rtol=0, atol=0)
+
+
 def test_kernel_takes_a_non_contiguous_input(kernels: None) -> None:
     weight = _random_weight(64, 96, False, seed=1)
     x = torch.randn(8, 192)[:, ::2]  # not contiguous
     torch.testing.assert_close(weight.linear(x), weight.linear_reference(x), rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-def test_blocks_dequantize_to_the_loaders_float32_weights_exactly(tmp_path: pathlib.Path, qtype: str) -> None:
+def test_blocks_dequantize_to_the_loaders_weights_exactly(tmp_path: pathlib.Path, qtype: str, dtype: torch.dtype) -> None:
     path = write_gguf(tmp_path / f"{qtype}.gguf", SPEC, random_state(SPEC, 256, seed=5), qtype)
     file = open_gguf(path)
     config = gguf_model_config(file)
-    dense = gguf_state_dict(file, config, torch.float32)
+    dense = gguf_state_dict(file, config, dtype)
     rows = gguf_block_quant_rows(file, config)
     assert set(rows) == {name for name, t in dense.items() if t.dim() == 2}  # every matrix, q/k un-permuted too
     for name, r in rows.items():
         weight = BlockQuantWeight.from_rows(*r)
-        assert torch.equal(weight.dequantize(), dense[name]), name
+        assert torch.equal(weight.dequantize(dtype), dense[name]), name
+
+
+@pytest.mark.parametrize("num_rows", [1, 16])
+def test_bfloat16_kernel_reads_the_loaders_bfloat16_weights(kernels: None, tmp_path: pathlib.Path, num_rows: int) -> None:
+    """The kernel's own rounding of each weight to bfloat16 (not the PyTorch `dequantize`):
+    one-hot rows of x pick single weights, which come back exactly."""
+    path = write_gguf(tmp_path / "q4.gguf", SPEC, random_state(SPEC, 256, seed=6), "Q4_1")
+    file = open_gguf(path)
+    config = gguf_model_config(file)
+    name = "model.layers.0.mlp.down_proj.weight"
+    dense = gguf_state_dict(file, config, torch.bfloat16)[name]  # [N, K]
+    weight = BlockQuantWeight.from_rows(*gguf_block_quant_rows(file, config)[name])
+    columns = torch.arange(num_rows) * (dense.shape[1] // num_rows)
+    x = torch.nn.functional.one_hot(columns, dense.shape[1]).bfloat16()  # [M, K]
+    assert torch.equal(weight.linear(x), dense[:, columns].T)
 
 
 def test_other_types_have_no_blocks(tmp_path: pathlib.Path) -> None:
@@ -69,26 +114,37 @@ def test_other_types_have_no_blocks(tmp_path: pathlib.Path) -> None:
     assert all(block_rows(t) is None for t in open_gguf(path).reader.tensors)
 
 
-def test_float32_gguf_models_use_the_blocks_and_bfloat16_ones_do_not(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gguf_models_use_the_blocks(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, dtype: torch.dtype) -> None:
+    monkeypatch.setattr(model_module, "has_native_bf16_matmul", lambda: False)
     path = write_gguf(tmp_path / "q4.gguf", SPEC, random_state(SPEC, 256, seed=2), "Q4_1")
-    fp32 = load_model(str(path), dtype="float32").model
-    linears = {name: m for name, m in fp32.named_modules() if isinstance(m, Linear)}
+    net = load_model(str(path), dtype=str(dtype).removeprefix("torch.")).model
+    linears = {name: m for name, m in net.named_modules() if isinstance(m, Linear)}
     assert all(m.block_quant is not None for m in linears.values()), [n for n, m in linears.items() if m.block_quant is None]
     for module in linears.values():
         assert module.block_quant is not None
-        assert torch.equal(module.block_quant.dequantize(), module.weight)
+        assert torch.equal(module.block_quant.dequantize(dtype), module.weight)
+
+
+def test_bfloat16_models_keep_native_bfloat16_matmuls(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    monkeypatch.setattr(model_module, "has_native_bf16_matmul", lambda: True)
+    path = write_gguf(tmp_path / "q4.gguf", SPEC, random_state(SPEC, 256, seed=2), "Q4_1")
     bf16 = load_model(str(path), dtype="bfloat16").model
     assert all(m.block_quant is None for m in bf16.modules() if isinstance(m, Linear))
 
 
-def test_greedy_tokens_are_the_same_with_and_without_the_kernel(kernels: None, tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_tokens_are_the_same_with_and_without_the_kernel(
+    kernels: None, monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, dtype: str
+) -> None:
+    monkeypatch.setattr(model_module, "has_native_bf16_matmul", lambda: False)  # bfloat16: widened without the kernel
     path = write_gguf(tmp_path / "q4.gguf", SPEC, random_state(SPEC, 256, seed=4), "Q4_1")
-    llm = LLM(str(path), dtype="float32")
+    llm = LLM(str(path), dtype=dtype)
     prompts = [list(range(3, 3 + n)) for n in (5, 9, 17, 2)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with_kernel = [o.token_ids for o in llm.generate(prompts, params)]
     for module in llm.engine.loaded.model.modules():
         if isinstance(module, Linear):
-            module.block_quant = None  # the float32 weights: the path without the kernel
+            module.block_quant = None  # the dense weights (bfloat16: widened): the path without the kernel
     assert [o.token_ids for o in llm.generate(prompts, params)] == with_kernel
     assert MAX_BLOCK_QUANT_ROWS >= len(prompts)  # so the decode steps above did use the kernel
