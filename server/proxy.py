@@ -4,8 +4,9 @@ For each request the router (`router.py`) picks a decode worker and, unless that
 prefills the prompt itself (conditional disaggregation), a prefill worker; the proxy
 makes a random transfer token and sends the prefill request and the decode request at
 the same time. The prefill's first token goes to the client at once; then the decode's
-tokens follow (its own first token, the same one, is skipped). With no prefill worker reachable, or when the prefill fails, the decode
-worker prefills the prompt itself: degraded, never down.
+tokens follow (its own first token, the same one, is skipped). With no prefill worker
+reachable, or when the prefill fails, the decode worker prefills the prompt itself:
+degraded, never down.
 """
 
 from __future__ import annotations
