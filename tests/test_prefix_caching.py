@@ -72,12 +72,18 @@ def test_block_keys_chain_over_the_prefix_and_the_seed() -> None:
     assert hash_seed("a", "b") == hash_seed("a", "b") != hash_seed("ab")
 
 
+def computed_and_cached(kv: KVCacheManager, request_id: str, token_ids: list[int]) -> Request:
+    """A request whose tokens all went through the model: its full blocks are in the cache."""
+    request = Request(request_id, token_ids, GREEDY)
+    assert kv.allocate_slots(request, len(token_ids)) is not None
+    request.num_computed_tokens = len(token_ids)
+    kv.cache_full_blocks(request)
+    return request
+
+
 def test_a_lookup_stops_at_the_first_miss_and_never_takes_more_than_asked() -> None:
     kv = KVCacheManager(8, 4)
-    first = Request("a", list(range(12)), GREEDY)
-    assert kv.allocate_slots(first, 12) is not None
-    first.num_computed_tokens = 12
-    kv.cache_full_blocks(first)
+    computed_and_cached(kv, "a", list(range(12)))
     same = Request("b", list(range(12)), GREEDY)
     assert kv.find_cached_prefix(same, 11) == kv.get_block_ids("a")[:2]  # the last token is computed
     assert kv.find_cached_prefix(same, 12) == kv.get_block_ids("a")
@@ -87,10 +93,7 @@ def test_a_lookup_stops_at_the_first_miss_and_never_takes_more_than_asked() -> N
 
 def test_a_hit_that_does_not_fit_takes_nothing() -> None:
     kv = KVCacheManager(4, 4)
-    holder = Request("a", list(range(8)), GREEDY)
-    assert kv.allocate_slots(holder, 8) is not None
-    holder.num_computed_tokens = 8
-    kv.cache_full_blocks(holder)
+    computed_and_cached(kv, "a", list(range(8)))
     kv.free("a")  # both blocks cached and free: 4 free in all
     hit = kv.find_cached_prefix(Request("b", list(range(8)) + [1] * 16, GREEDY), 23)
     assert len(hit) == 2
