@@ -141,6 +141,7 @@ class KVTransferService:
                     dtype=self._dtype,
                     shape=layout.blocks_shape(num_blocks),
                     payload=payload,
+                    crc32=chunk.crc32 if skip <= 0 else None,  # a re-packed payload has its own
                 )
                 if self._corrupt_every > 0 and (self.stats.num_chunks + 1) % self._corrupt_every == 0:
                     frame = _flip_last_byte(frame)  # the payload ends the frame

@@ -15,6 +15,7 @@ When the request finishes, its blocks are freed only after `finished_sending` re
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from kvservice.attention import AttentionMetadata
+from kvservice.connector import wire
 from kvservice.connector.base import TRANSFER_TOKEN, KVConnectorBase
 from kvservice.connector.transfer_registry import (
     StagedChunk,
@@ -62,9 +64,13 @@ class _CopyDone(Protocol):
 
     def synchronize(self) -> None: ...
 
+    def crc32(self) -> int | None:
+        """The staged bytes' CRC-32 if the copy computed it (after `synchronize`)."""
+        ...
+
 
 class _FutureDone:
-    def __init__(self, future: concurrent.futures.Future[None]) -> None:
+    def __init__(self, future: concurrent.futures.Future[int]) -> None:
         self._future = future
 
     def query(self) -> bool:
@@ -72,6 +78,25 @@ class _FutureDone:
 
     def synchronize(self) -> None:
         self._future.result()
+
+    def crc32(self) -> int | None:
+        return self._future.result()
+
+
+class _EventDone:
+    """A CUDA copy: the sender computes the CRC-32 from the pinned buffer."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self._event = event
+
+    def query(self) -> bool:
+        return bool(self._event.query())
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+    def crc32(self) -> int | None:
+        return None
 
 
 @dataclass(slots=True)
@@ -196,7 +221,7 @@ class PrefillKVConnector(KVConnectorBase):
             gathered.record_stream(self._copy_stream)
             event = torch.cuda.Event()
             event.record(self._copy_stream)
-        self._pending_copies.append(_PendingCopy(event, transfer, chunk))  # type: ignore[arg-type]
+        self._pending_copies.append(_PendingCopy(_EventDone(event), transfer, chunk))
 
     def _publish_ready_copies(self, block: bool) -> None:
         while self._pending_copies:
@@ -206,7 +231,8 @@ class PrefillKVConnector(KVConnectorBase):
             elif not head.done.query():
                 return
             self._pending_copies.pop(0)
-            self.registry.publish(head.transfer, head.chunk)
+            crc32 = head.done.crc32()
+            self.registry.publish(head.transfer, head.chunk if crc32 is None else dataclasses.replace(head.chunk, crc32=crc32))
         for request_id, token_id in self._pending_complete.items():
             self.registry.complete(request_id, token_id)
         self._pending_complete.clear()
@@ -244,13 +270,16 @@ class PrefillKVConnector(KVConnectorBase):
             self._copy_thread.shutdown()
 
 
-def _stage_copy(kv_layer: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None:
-    """Gather blocks into the staging buffer with numpy: a torch op here would start an
-    OpenMP team of its own and oversubscribe the cores the forward is using."""
+def _stage_copy(kv_layer: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> int:
+    """Gather blocks into the staging buffer with numpy (a torch op here would start an
+    OpenMP team of its own and oversubscribe the cores the forward is using); the staged
+    bytes' CRC-32, computed while they are still in cache, so the sender need not read
+    them twice."""
     with torch.inference_mode():  # per thread; the views are inference tensors
         src = kv_layer.view(torch.uint8).numpy()
         out = dst.view(torch.uint8).numpy()
     np.take(src, index.numpy(), axis=1, out=out)
+    return wire.checksum(memoryview(out).cast("B"))
 
 
 def _is_saving(request: Request) -> bool:

@@ -63,6 +63,9 @@ class StagedChunk:
     num_blocks: int
     offset: int
     num_bytes: int
+    # CRC-32 of the staged bytes when the copy computed it (CPU: while they were hot in
+    # cache); None: the sender computes it.
+    crc32: int | None = None
 
 
 @dataclass(eq=False)

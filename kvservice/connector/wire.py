@@ -82,6 +82,11 @@ class DecodedFrame:
 # ---------------------------------------------------------------- encoding
 
 
+def checksum(data: memoryview | bytes) -> int:
+    """The CRC-32 a chunk header carries for `data` (zlib's polynomial)."""
+    return _crc32(data)
+
+
 def _varint(value: int) -> bytes:
     if value < 0:
         raise ValueError(f"varint of a negative value {value}")
