@@ -152,6 +152,7 @@ class KVTransferCounters:
     num_failed_transfers: int = 0
     num_chunks: int = 0
     num_bytes: int = 0
+    num_shared_memory_bytes: int = 0  # of num_bytes, those through a same-host segment
     total_seconds: float = 0.0  # summed over transfers
 
     def snapshot(self) -> KVTransferCounters:

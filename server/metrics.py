@@ -173,13 +173,18 @@ class EngineCollector(Collector):
         transfers = CounterMetricFamily("kvservice_kv_transfers", "KV transfers, by direction (send: prefill, recv: decode)", labels=["direction"])
         failures = CounterMetricFamily("kvservice_kv_transfer_failures", "KV transfers that failed, by direction", labels=["direction"])
         num_bytes = CounterMetricFamily("kvservice_kv_transfer_bytes", "KV payload bytes transferred, by direction", labels=["direction"])
+        shared = CounterMetricFamily(
+            "kvservice_kv_transfer_shared_memory_bytes", "Of the KV payload bytes, those through a same-host shared-memory segment, by direction",
+            labels=["direction"],
+        )
         seconds = CounterMetricFamily("kvservice_kv_transfer_seconds", "Seconds spent in KV transfers (summed over transfers), by direction", labels=["direction"])
         for direction, t in (("send", s.kv_sending), ("recv", s.kv_receiving)):
             transfers.add_metric([direction], t.num_transfers)
             failures.add_metric([direction], t.num_failed_transfers)
             num_bytes.add_metric([direction], t.num_bytes)
+            shared.add_metric([direction], t.num_shared_memory_bytes)
             seconds.add_metric([direction], t.total_seconds)
-        yield from (transfers, failures, num_bytes, seconds)
+        yield from (transfers, failures, num_bytes, shared, seconds)
         yield CounterMetricFamily("kvservice_prefix_cache_queries", "Prefix cache: prompt tokens looked up", value=s.prefix_cache.queries)
         yield CounterMetricFamily("kvservice_prefix_cache_hits", "Prefix cache: prompt tokens found cached", value=s.prefix_cache.hits)
         spec = s.spec_decode

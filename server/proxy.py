@@ -262,7 +262,7 @@ class ProxyService(StreamingGenerationService):
 
 
 def _add_transfer_stats(total: pb.KVTransferStats, part: pb.KVTransferStats) -> None:
-    for name in ("num_transfers", "num_failed_transfers", "num_chunks", "num_bytes", "total_seconds",
+    for name in ("num_transfers", "num_failed_transfers", "num_chunks", "num_bytes", "num_shared_memory_bytes", "total_seconds",
                  "staging_bytes_in_use", "staging_bytes_capacity", "num_staged_transfers"):
         setattr(total, name, getattr(total, name) + getattr(part, name))
 

@@ -50,4 +50,5 @@ def transfer_counters_to_proto(counters: KVTransferCounters, into: pb.KVTransfer
     into.num_failed_transfers = counters.num_failed_transfers
     into.num_chunks = counters.num_chunks
     into.num_bytes = counters.num_bytes
+    into.num_shared_memory_bytes = counters.num_shared_memory_bytes
     into.total_seconds = counters.total_seconds

@@ -60,6 +60,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-staging-mib", type=int, default=256, help="prefill side: staging pool bound (default: 256)")
     parser.add_argument("--kv-transfer-timeout", type=float, default=120.0, help="decode side: deadline of one KV pull, seconds (default: 120)")
     parser.add_argument(
+        "--kv-transfer-shm", action="store_true",
+        help="decode side: offer each prefill worker a per-pull shared-memory segment in /dev/shm for the KV bytes; "
+        "a prefill worker on the same host (same /dev/shm, same user) writes them there and streams only chunk headers, "
+        "any other streams the bytes over gRPC as usual (default: off)",
+    )
+    parser.add_argument(
         "--max-queued-requests", type=int, default=1024,
         help="admission control: requests not yet running (incl. waiting for remote KV) past which new ones get RESOURCE_EXHAUSTED (default: 1024)",
     )
@@ -128,7 +134,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
     elif args.role == "decode":
         connector = DecodeKVConnector(
             layout, transfer_timeout=args.kv_transfer_timeout, channel_credentials=tls.channel_credentials(),
-            auth_token=args.auth_token,
+            auth_token=args.auth_token, use_shared_memory=args.kv_transfer_shm,
         )
     engine = await asyncio.to_thread(LLMEngine, args.model, config, connector)
     kv_events = KVEventPublisher(asyncio.get_running_loop(), config.block_size, engine.kv_hash_seed)

@@ -126,13 +126,19 @@ class Pair:
 
 
 @contextlib.asynccontextmanager
-async def pd_pair(kv_load_failure_policy: str = "recompute", registration_timeout: float = REGISTRATION_TIMEOUT) -> AsyncIterator[Pair]:
+async def pd_pair(
+    kv_load_failure_policy: str = "recompute", registration_timeout: float = REGISTRATION_TIMEOUT, use_shared_memory: bool = False
+) -> AsyncIterator[Pair]:
+    """A prefill and a decode engine over a real PullKV server; `use_shared_memory`: the
+    decode side offers the same-host segment (--kv-transfer-shm)."""
     loop = asyncio.get_running_loop()
     registry = ObservedRegistry(StagingPool(STAGING_BYTES), LAYOUT)
     # Two blocks per chunk: multi-block prompts stream as several chunks per layer.
     prefill_connector = PrefillKVConnector(registry, chunk_bytes=2 * LAYOUT.bytes_per_block_per_layer)
     load_done = asyncio.Event()
-    decode_connector = DecodeKVConnector(LAYOUT, transfer_timeout=WAIT, on_load_done=lambda: loop.call_soon_threadsafe(load_done.set))
+    decode_connector = DecodeKVConnector(
+        LAYOUT, transfer_timeout=WAIT, on_load_done=lambda: loop.call_soon_threadsafe(load_done.set), use_shared_memory=use_shared_memory
+    )
     prefill = LLMEngine("tiny", PREFILL_CONFIG, prefill_connector)
     decode = LLMEngine("tiny", dataclasses.replace(DECODE_CONFIG, kv_load_failure_policy=kv_load_failure_policy), decode_connector)
     server = grpc.aio.server()

@@ -30,11 +30,15 @@ pytestmark = pytest.mark.timeout(120)
 # ---------------------------------------------------------------- correctness
 
 
-async def test_concurrent_transfers_equal_a_single_engine_and_blocks_are_bit_identical(reference: list[list[int]]) -> None:
+@pytest.mark.parametrize("use_shared_memory", [False, True], ids=["grpc", "shm"])
+async def test_concurrent_transfers_equal_a_single_engine_and_blocks_are_bit_identical(
+    reference: list[list[int]], use_shared_memory: bool
+) -> None:
+    """Over the gRPC byte stream, and over the same-host segment (every byte through it)."""
     prefill_kv: dict[str, list[torch.Tensor]] = {}
     decode_kv: dict[str, list[torch.Tensor]] = {}
     lengths = {f"req-{i}": len(p) for i, p in enumerate(PROMPTS)}
-    async with pd_pair() as pair:
+    async with pd_pair(use_shared_memory=use_shared_memory) as pair:
         for i, prompt in enumerate(PROMPTS):  # all 8 transfers at once
             pair.add(f"req-{i}", prompt)
 
@@ -51,6 +55,7 @@ async def test_concurrent_transfers_equal_a_single_engine_and_blocks_are_bit_ide
         await pair.wait_released(set(lengths))
         stats = pair.decode_connector.stats
         assert (stats.num_transfers, stats.num_failed_transfers) == (len(PROMPTS), 0), "a pull failed: output came from a recompute"
+        assert stats.num_shared_memory_bytes == (stats.num_bytes if use_shared_memory else 0) and stats.num_bytes > 0
         pair.assert_everything_free()
 
     assert set(prefill_kv) == set(decode_kv) == set(lengths)

@@ -233,7 +233,8 @@ async def test_the_decode_worker_pulls_only_the_blocks_it_lacks() -> None:
     }
 
 
-async def test_a_pull_that_starts_mid_chunk_receives_only_the_blocks_it_asked_for() -> None:
+@pytest.mark.parametrize("use_shared_memory", [False, True], ids=["grpc", "shm"])
+async def test_a_pull_that_starts_mid_chunk_receives_only_the_blocks_it_asked_for(use_shared_memory: bool) -> None:
     prompt = make_prompt(37, seed=13)  # 5 blocks, staged as 2-block chunks: [0, 2), [2, 4), [4, 5)
     async with pd_pair() as pair:
         token = secrets.token_bytes(16)
@@ -245,9 +246,10 @@ async def test_a_pull_that_starts_mid_chunk_receives_only_the_blocks_it_asked_fo
         spec = LoadSpec("r", pair.address, token, block_ids=[7, 6, 5, 4, 3], num_tokens=len(prompt), first_block=3)
         counters = KVTransferCounters()
         async with grpc.aio.insecure_channel(pair.address) as channel:
-            result = await pull_kv(channel, spec, caches, LAYOUT, WAIT, counters)
+            result = await pull_kv(channel, spec, caches, LAYOUT, WAIT, counters, use_shared_memory=use_shared_memory)
         assert result.error is None and result.first_token_id is not None
         assert counters.num_bytes == 2 * LAYOUT.bytes_per_block  # blocks 3 and 4, not the whole [2, 4) chunk
+        assert counters.num_shared_memory_bytes == (counters.num_bytes if use_shared_memory else 0)
         for layer, cache in enumerate(caches):
             assert torch.equal(bits(cache[:, [4, 3]]), bits(staged[layer][:, 3:5]))
             assert not cache[:, [7, 6, 5]].any(), "a cached block was written"

@@ -133,14 +133,15 @@ class _GrpcPair:
             prefill_child.close()
             decode_child.close()
 
-    def transfer(self) -> GrpcTransfer:
-        """Stage one request on the prefill side, pull it, verify it bit for bit."""
+    def transfer(self, use_shared_memory: bool = False) -> GrpcTransfer:
+        """Stage one request on the prefill side, pull it, verify it bit for bit.
+        `use_shared_memory`: the same-host path (bytes through a segment, headers over gRPC)."""
         timeout = self.setup.timeout_s
         self._num_pulls += 1
         request_id, token = f"bench-{self._num_pulls}", secrets.token_bytes(16)
         self._prefill_conn.send(Stage(request_id, token))
         staged = expect(self._prefill_conn, self._prefill, Staged, timeout)
-        self._decode_conn.send(Pull(request_id, token))
+        self._decode_conn.send(Pull(request_id, token, use_shared_memory))
         pulled = expect(self._decode_conn, self._decode, Pulled, timeout)
         self._prefill_conn.send(CpuQuery())
         sender_cpu_end = expect(self._prefill_conn, self._prefill, CpuTime, timeout).process_cpu_seconds

@@ -97,6 +97,7 @@ class Pull:
 
     request_id: str
     token: bytes
+    use_shared_memory: bool = False  # offer the prefill a segment (the same-host path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +272,9 @@ async def _serve_decode(conn: Connection, setup: BenchSetup, address: str) -> No
                 kv_layer.zero_()  # a pull that wrote nothing must not pass on the last run's bytes
             spec = LoadSpec(request_id, address, token, block_ids, setup.num_tokens)
             start, start_cpu = time.perf_counter(), time.process_time()
-            result = await pull_kv(channel, spec, kv_caches, layout, setup.timeout_s, stats)
+            result = await pull_kv(
+                channel, spec, kv_caches, layout, setup.timeout_s, stats, use_shared_memory=message.use_shared_memory
+            )
             if kv_caches[0].is_cuda:
                 torch.cuda.synchronize(kv_caches[0].device)  # the last copies into the cache count too
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu

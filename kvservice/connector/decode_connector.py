@@ -83,9 +83,12 @@ class DecodeKVConnector(KVConnectorBase):
         on_load_done: Callable[[], None] | None = None,
         auth_token: str | None = None,
         max_channels: int = MAX_CHANNELS,
+        use_shared_memory: bool = False,
     ) -> None:
         super().__init__()
         self.layout = layout
+        # Offer each prefill worker a shared-memory segment for the bytes (same host only).
+        self.use_shared_memory = use_shared_memory
         self.transfer_timeout = transfer_timeout
         self.channel_credentials = channel_credentials
         self.on_load_done = on_load_done
@@ -189,7 +192,7 @@ class DecodeKVConnector(KVConnectorBase):
                 async with self._channels.use(address) as channel:
                     return await pull_kv(
                         channel, spec, self._kv_caches, self.layout, max(0.0, deadline - loop.time()), self.stats,
-                        self._metadata,
+                        self._metadata, self.use_shared_memory,
                     )
             finally:
                 slots.release()

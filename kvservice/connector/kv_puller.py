@@ -8,6 +8,7 @@ the `done` frame arrives and every layer's every block has been written.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -17,9 +18,12 @@ import torch
 
 from kvservice.connector import wire
 from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
+from kvservice.connector.shared_memory import SharedSegment
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.outputs import KVTransferCounters
 from kvservice.v1 import kvservice_pb2 as pb
+
+logger = logging.getLogger(__name__)
 
 _MIN_RUN_BYTES = 32 << 10  # average bytes per run (K and V) below which index_copy_ is as fast
 
@@ -50,9 +54,38 @@ async def pull_kv(
     timeout: float,
     stats: KVTransferCounters,
     metadata: tuple[tuple[str, str], ...] | None = None,
+    use_shared_memory: bool = False,
 ) -> LoadResult:
     """Pull one transfer; failures come back as a LoadResult with `error`, never raised.
-    `metadata` goes with the call (the bearer token of a guarded prefill worker)."""
+    `metadata` goes with the call (the bearer token of a guarded prefill worker).
+    `use_shared_memory`: offer the prefill worker a segment for the bytes (same host only;
+    see `shared_memory`); the pull works the same if it cannot use it."""
+    num_pulled_blocks = len(spec.block_ids) - spec.first_block
+    segment: SharedSegment | None = None
+    if use_shared_memory and num_pulled_blocks > 0:
+        try:
+            pull_bytes = layout.num_layers * num_pulled_blocks * layout.bytes_per_block_per_layer
+            segment = SharedSegment.create(SharedSegment.size_for(pull_bytes))
+        except OSError as e:
+            logger.warning("request %s: no shared-memory segment (%s); pulling over the gRPC stream", spec.request_id, e)
+    try:
+        return await _pull(channel, spec, kv_caches, layout, timeout, stats, metadata, segment)
+    finally:
+        if segment is not None:
+            segment.unlink()
+            segment.close()
+
+
+async def _pull(
+    channel: grpc.aio.Channel,
+    spec: LoadSpec,
+    kv_caches: list[torch.Tensor],
+    layout: KVCacheLayout,
+    timeout: float,
+    stats: KVTransferCounters,
+    metadata: tuple[tuple[str, str], ...] | None,
+    segment: SharedSegment | None,
+) -> LoadResult:
     request = pb.PullKVRequest(
         request_id=spec.request_id,
         transfer_token=spec.transfer_token,
@@ -62,6 +95,7 @@ async def pull_kv(
         head_dim=layout.head_dim,
         dtype=wire.dtype_name(layout.dtype),
         first_block=spec.first_block,
+        shared_memory=segment.name if segment is not None else "",
     )
     call = channel.unary_stream(
         PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=None
@@ -75,32 +109,44 @@ async def pull_kv(
     written = [bytearray(b"\x01" * spec.first_block + bytes(num_blocks - spec.first_block)) for _ in range(layout.num_layers)]
     start = time.perf_counter()
     num_chunks = num_bytes = 0
+    ring_read_end = 0  # the shared-memory ring: where the last chunk read from it ended
     error: str | None = None
     first_token_id: int | None = None
     try:
         async for frame in call:
+            if segment is not None:
+                segment.unlink()  # the prefill worker opened it (or gave up) before sending anything
             decoded = wire.decode_frame(frame)
             if decoded.done is not None:
                 first_token_id = _check_done(decoded.done, spec, written, num_chunks)
                 break
             header = decoded.header
             assert header is not None
-            wire.validate_chunk(header, decoded.payload, layout, spec.request_id, num_blocks)
             first, n = header.first_block, header.num_blocks
             if first < spec.first_block:
                 raise wire.KVChunkError(f"header.first_block: {first}, but the pull asked for blocks from {spec.first_block}")
+            payload = decoded.payload
+            if header.in_shared_memory:
+                payload = _ring_payload(header, payload, segment, ring_read_end)
+                ring_read_end = header.shared_memory_position + len(payload)
+            wire.validate_chunk(header, payload, layout, spec.request_id, num_blocks)
             if any(written[header.layer][first : first + n]):
                 raise wire.KVChunkError(f"header.first_block: blocks [{first}, {first + n}) of layer {header.layer} sent twice")
-            src = wire.payload_view(decoded.payload, layout, n)  # [2, n, block_size, kv_heads, head_dim]
+            src = wire.payload_view(payload, layout, n)  # [2, n, block_size, kv_heads, head_dim]
             if host_caches is not None:
                 _copy_runs(host_caches[header.layer], src, spec.block_ids, run_ends, first, n)
             else:
                 kv_caches[header.layer].index_copy_(1, block_ids[first : first + n], src.to(device, non_blocking=True))
             written[header.layer][first : first + n] = b"\x01" * n
+            if header.in_shared_memory:
+                assert segment is not None
+                segment.mark_read(ring_read_end)  # copied: the prefill worker may reuse that space
             num_chunks += 1
-            num_bytes += len(decoded.payload)
+            num_bytes += len(payload)
             stats.num_chunks += 1
-            stats.num_bytes += len(decoded.payload)
+            stats.num_bytes += len(payload)
+            if header.in_shared_memory:
+                stats.num_shared_memory_bytes += len(payload)
         else:
             error = "the PullKV stream ended without its done frame"
     except grpc.aio.AioRpcError as e:
@@ -118,6 +164,22 @@ async def pull_kv(
         stats.num_failed_transfers += 1
         return LoadResult(spec.request_id, None, error)
     return LoadResult(spec.request_id, first_token_id)
+
+
+def _ring_payload(header: pb.KVChunkHeader, payload: memoryview, segment: SharedSegment | None, read_end: int) -> memoryview:
+    """A header-only chunk's bytes: `header.num_bytes` from the pull's ring at the position it
+    names, which must follow the last chunk read from it (`validate_chunk` then checks size and CRC-32)."""
+    if segment is None:
+        raise wire.KVChunkError("header.in_shared_memory: this pull offered no shared memory")
+    if payload.nbytes:
+        raise wire.KVChunkError("header.in_shared_memory: the frame carries a payload too")
+    position = header.shared_memory_position
+    if position < read_end:
+        raise wire.KVChunkError(f"header.shared_memory_position: {position}, before the previous chunk's end {read_end}")
+    try:
+        return memoryview(segment.ring_region(position, header.num_bytes))
+    except ValueError as e:
+        raise wire.KVChunkError(f"header.shared_memory_position: {e}") from None
 
 
 def _host_views(

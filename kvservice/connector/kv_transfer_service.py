@@ -8,6 +8,7 @@ with one copy out of the staging buffer), which are still valid `KVChunk` messag
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ import grpc
 import numpy as np
 
 from kvservice.connector import wire
+from kvservice.connector.shared_memory import RingWriter, SharedSegment
 from kvservice.connector.transfer_registry import (
     StagedTransfer,
     TransferDenied,
@@ -29,6 +31,8 @@ from kvservice.kv_cache import KVCacheLayout
 from kvservice.outputs import KVTransferCounters
 from kvservice.request import check_request_id
 from kvservice.v1 import kvservice_pb2 as pb
+
+logger = logging.getLogger(__name__)
 
 PULL_KV_METHOD = "/kvservice.v1.KVTransfer/PullKV"
 MAX_MESSAGE_BYTES = 64 << 20  # KV chunks are ~2 MiB; gRPC's default cap is 4 MiB
@@ -89,11 +93,14 @@ class KVTransferService:
         start = time.perf_counter()
         is_sent = is_delivered = False
         sent = _Sent()
+        segment = self._open_segment(request, transfer)
         try:
-            async for frame in self._frames(transfer, changed, sent):
+            async for frame in self._frames(transfer, changed, sent, segment):
                 yield frame
             is_sent = True
         finally:
+            if segment is not None:
+                segment.close()
             # Ended before the done frame goes out (it needs nothing staged): the staging is
             # freed now, and a release or abort that arrives while the done frame is on its
             # way finds a delivered transfer, not one to fail under a finished pull.
@@ -113,10 +120,25 @@ class KVTransferService:
             num_tokens=transfer.num_tokens,
         )
 
-    async def _frames(self, transfer: StagedTransfer, changed: asyncio.Event, sent: _Sent) -> AsyncIterator[bytes]:
+    def _open_segment(self, request: pb.PullKVRequest, transfer: StagedTransfer) -> SharedSegment | None:
+        """The puller's shared-memory segment, if it offered one and it opens here; else None
+        (the bytes stream over gRPC)."""
+        if not request.shared_memory:
+            return None
+        try:
+            return SharedSegment.open(request.shared_memory)
+        except OSError as e:  # SharedMemoryUnavailable among them
+            logger.info("request %s: KV goes over the gRPC stream: the puller's shared memory does not open here (%s)", transfer.request_id, e)
+            return None
+
+    async def _frames(
+        self, transfer: StagedTransfer, changed: asyncio.Event, sent: _Sent, segment: SharedSegment | None
+    ) -> AsyncIterator[bytes]:
         """The chunks the puller needs (those ending past its first block) as they are
         published, counted in `sent`; ends once all are sent and the transfer is complete,
-        or when it failed."""
+        or when it failed. With a `segment`, each chunk's bytes go into its ring (when they
+        fit) and its frame carries only the header."""
+        ring = RingWriter(segment) if segment is not None else None
         num_seen = 0
         layout = self.registry.layout
         buffer = transfer.buffer.tensor
@@ -133,23 +155,33 @@ class KVTransferService:
                     # Staged before the pull said where it starts: send only the rest (K and V of it).
                     payload = memoryview(np.ascontiguousarray(np.asarray(payload).reshape(2, chunk.num_blocks, -1)[:, skip:])).cast("B")
                 num_blocks = chunk.num_blocks - max(skip, 0)
+                first_block = chunk.first_block + max(skip, 0)
+                position = None
+                if ring is not None and ring.fits(len(payload)):
+                    position = await ring.write(np.frombuffer(payload, dtype=np.uint8))
                 frame = wire.encode_chunk(
                     request_id=transfer.request_id,
                     layer=chunk.layer,
-                    first_block=chunk.first_block + max(skip, 0),
+                    first_block=first_block,
                     num_blocks=num_blocks,
                     dtype=self._dtype,
                     shape=layout.blocks_shape(num_blocks),
                     payload=payload,
                     crc32=chunk.crc32 if skip <= 0 else None,  # a re-packed payload has its own
+                    shared_memory_position=position,
                 )
                 if self._corrupt_every > 0 and (self.stats.num_chunks + 1) % self._corrupt_every == 0:
-                    frame = _flip_last_byte(frame)  # the payload ends the frame
+                    if ring is not None and position is not None:
+                        ring.segment.ring_region(position + len(payload) - 1, 1)[0] ^= 0xFF
+                    else:
+                        frame = _flip_last_byte(frame)  # the payload ends the frame
                 yield frame
                 sent.num_chunks += 1
                 sent.num_bytes += len(payload)
                 self.stats.num_chunks += 1
                 self.stats.num_bytes += len(payload)
+                if position is not None:
+                    self.stats.num_shared_memory_bytes += len(payload)
             if state is TransferState.FAILED or (state is TransferState.COMPLETE and not chunks):
                 return
             if not chunks:

@@ -116,11 +116,15 @@ def encode_chunk(
     shape: Sequence[int],
     payload: memoryview | bytes,
     crc32: int | None = None,
+    shared_memory_position: int | None = None,
 ) -> bytes:
     """A KVChunk frame (header + payload); the payload is copied exactly once.
 
     `crc32` defaults to the payload's CRC-32 (zlib's); pass 0 where the receiver skips the check.
+    `shared_memory_position`: the payload was written to the pull's shared-memory ring
+    there; the frame carries only the header, which still describes (size, CRC-32) those bytes.
     """
+    in_shared_memory = shared_memory_position is not None
     num_bytes = memoryview(payload).nbytes
     header = pb.KVChunkHeader(
         request_id=request_id,
@@ -131,8 +135,10 @@ def encode_chunk(
         shape=shape,
         num_bytes=num_bytes,
         crc32=_crc32(payload) if crc32 is None else crc32,
+        in_shared_memory=in_shared_memory,
+        shared_memory_position=shared_memory_position or 0,
     ).SerializeToString()
-    if num_bytes == 0:  # proto3 omits an empty bytes field: keep byte-identical to protobuf
+    if num_bytes == 0 or in_shared_memory:  # proto3 omits an empty bytes field: keep byte-identical to protobuf
         return b"".join((_TAG_HEADER, _varint(len(header)), header))
     return b"".join(
         (_TAG_HEADER, _varint(len(header)), header, _TAG_PAYLOAD, _varint(num_bytes), payload)

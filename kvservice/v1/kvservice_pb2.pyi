@@ -107,7 +107,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVTransferStats(_message.Message):
-    __slots__ = ("num_transfers", "num_failed_transfers", "num_chunks", "num_bytes", "total_seconds", "staging_bytes_in_use", "staging_bytes_capacity", "num_staged_transfers")
+    __slots__ = ("num_transfers", "num_failed_transfers", "num_chunks", "num_bytes", "total_seconds", "staging_bytes_in_use", "staging_bytes_capacity", "num_staged_transfers", "num_shared_memory_bytes")
     NUM_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     NUM_FAILED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class KVTransferStats(_message.Message):
     STAGING_BYTES_IN_USE_FIELD_NUMBER: _ClassVar[int]
     STAGING_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_transfers: int
     num_failed_transfers: int
     num_chunks: int
@@ -124,7 +125,8 @@ class KVTransferStats(_message.Message):
     staging_bytes_in_use: int
     staging_bytes_capacity: int
     num_staged_transfers: int
-    def __init__(self, num_transfers: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., total_seconds: _Optional[float] = ..., staging_bytes_in_use: _Optional[int] = ..., staging_bytes_capacity: _Optional[int] = ..., num_staged_transfers: _Optional[int] = ...) -> None: ...
+    num_shared_memory_bytes: int
+    def __init__(self, num_transfers: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., total_seconds: _Optional[float] = ..., staging_bytes_in_use: _Optional[int] = ..., staging_bytes_capacity: _Optional[int] = ..., num_staged_transfers: _Optional[int] = ..., num_shared_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("role", "num_blocks_total", "num_blocks_free", "num_running_requests", "num_waiting_requests", "kv_sending", "kv_receiving", "num_finished_requests", "num_aborted_requests", "num_waiting_for_remote_kv", "workers", "spec_decode", "num_preemptions", "prefix_cache")
@@ -289,7 +291,7 @@ class KVEventBatch(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., is_snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KVCacheEvent, _Mapping]]] = ..., block_size: _Optional[int] = ..., hash_seed: _Optional[int] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_token", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "first_block")
+    __slots__ = ("request_id", "transfer_token", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "first_block", "shared_memory")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +300,7 @@ class PullKVRequest(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_token: bytes
     num_layers: int
@@ -306,10 +309,11 @@ class PullKVRequest(_message.Message):
     head_dim: int
     dtype: str
     first_block: int
-    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
+    shared_memory: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_block: _Optional[int] = ..., shared_memory: _Optional[str] = ...) -> None: ...
 
 class KVChunkHeader(_message.Message):
-    __slots__ = ("request_id", "layer", "first_block", "num_blocks", "dtype", "shape", "num_bytes", "crc32")
+    __slots__ = ("request_id", "layer", "first_block", "num_blocks", "dtype", "shape", "num_bytes", "crc32", "in_shared_memory", "shared_memory_position")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +322,8 @@ class KVChunkHeader(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    IN_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_POSITION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layer: int
     first_block: int
@@ -326,7 +332,9 @@ class KVChunkHeader(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     num_bytes: int
     crc32: int
-    def __init__(self, request_id: _Optional[str] = ..., layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+    in_shared_memory: bool
+    shared_memory_position: int
+    def __init__(self, request_id: _Optional[str] = ..., layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., in_shared_memory: _Optional[bool] = ..., shared_memory_position: _Optional[int] = ...) -> None: ...
 
 class KVTransferDone(_message.Message):
     __slots__ = ("request_id", "first_token_id", "num_chunks", "num_bytes", "num_tokens")

@@ -1,0 +1,181 @@
+"""The same-host KV path: one shared-memory segment per pull, created by the puller.
+
+This path adds to the gRPC byte stream; it never replaces it.
+
+A decode worker started with `--kv-transfer-shm` creates a segment in /dev/shm for each
+pull. The segment has mode 0600 and a name with 128 random bits, and the decode worker
+names it in `PullKVRequest.shared_memory`. The prefill worker checks the transfer token as
+always, then tries to open the segment. That works only on the same host, with the same
+/dev/shm and a user allowed to open it:
+- If it opens, chunks' bytes go into the segment and the stream carries only their headers
+  (`in_shared_memory`, `shared_memory_position`).
+- If it does not open, the bytes stream as usual and nothing else changes.
+
+**Layout.** A control page, then a ring of at most `DEFAULT_RING_BYTES` (less for a
+smaller pull).
+- Fresh shared memory is costly: mapping new pages costs about as much per byte as the
+  copies themselves, here about 0.75 s per GB. So a large pull reuses its ring instead of
+  mapping all its bytes.
+- A chunk occupies ring positions [p, p + n), which never wrap. The stream's order is the
+  ring's order.
+- The puller's progress is the control page's first 8 bytes: the ring position up to
+  which it has read. The prefill worker writes a chunk only once the position where it
+  would land has been read, polling every `POLL_SECONDS` while the ring is full.
+- A chunk larger than the ring goes over the stream as bytes.
+
+**Safety.**
+- The puller bounds-checks every position against its segment before it reads there, so a
+  peer cannot make it read outside its own segment.
+- The puller unlinks the name when the first frame arrives, because the prefill worker
+  opened the segment before it sent anything. After that, no other process can open it.
+- A segment holds one transfer's KV and is never reused for another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import re
+import secrets
+import stat
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+CONTROL_BYTES = 4096  # the first page: the puller's read position
+DEFAULT_RING_BYTES = 16 << 20  # eight 2 MiB chunks in flight; about 12 ms to map here
+POLL_SECONDS = 0.0005  # the writer's wait while the ring is full
+_NAME_PREFIX = "kvservice-kv-"
+_NAME = re.compile(r"kvservice-kv-[0-9]{1,10}-[0-9a-f]{32}")
+# Fault every page in when mapping: one pass in the kernel instead of a fault per page
+# during the copies (Linux only; 0 elsewhere).
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class SharedMemoryUnavailable(OSError):
+    """This segment cannot be used here: the bytes go over the gRPC stream instead."""
+
+
+class SharedSegment:
+    """One pull's segment, mapped read-write: the control page and the ring."""
+
+    def __init__(self, name: str, size: int, fd: int) -> None:
+        self.name = name
+        self.size = size
+        self.ring_bytes = size - CONTROL_BYTES
+        try:
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED | _MAP_POPULATE)
+        finally:
+            os.close(fd)  # the mapping keeps the segment alive
+        self._array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._read_position = self._array[:8].view(np.uint64)
+        self._is_linked = True
+
+    @staticmethod
+    def size_for(pull_bytes: int) -> int:
+        """The segment for a pull of `pull_bytes`: the control page and a ring of at most `DEFAULT_RING_BYTES`."""
+        return CONTROL_BYTES + max(1, min(pull_bytes, DEFAULT_RING_BYTES))
+
+    @classmethod
+    def create(cls, size: int) -> SharedSegment:
+        """A fresh segment of `size` bytes that only this user can open (puller side)."""
+        if size <= CONTROL_BYTES:
+            raise ValueError(f"a segment needs more than its {CONTROL_BYTES}-byte control page, got {size}")
+        name = f"{_NAME_PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            return cls(name, size, fd)
+        except BaseException:
+            os.unlink(path)
+            raise
+
+    @classmethod
+    def open(cls, name: str) -> SharedSegment:
+        """The puller's segment (prefill side). Raises SharedMemoryUnavailable unless `name`
+        is a puller's segment name and opens here as a regular file larger than the
+        control page: a peer cannot point this worker at any other file."""
+        if not _NAME.fullmatch(name):
+            raise SharedMemoryUnavailable(f"not a kvservice segment name: {name[:64]!r}")
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise SharedMemoryUnavailable(f"cannot open {name}: {e.strerror}") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size <= CONTROL_BYTES:
+                raise SharedMemoryUnavailable(f"{name} is not a segment ({info.st_size} bytes)")
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(name, info.st_size, fd)
+
+    # ------------------------------------------------------------ the ring
+
+    def ring_region(self, position: int, num_bytes: int) -> np.ndarray:
+        """A uint8 view of ring positions [position, position + num_bytes); ValueError if
+        the range wraps or is larger than the ring."""
+        start = position % self.ring_bytes
+        if position < 0 or num_bytes < 0 or start + num_bytes > self.ring_bytes:
+            raise ValueError(
+                f"ring positions [{position}, {position + num_bytes}) do not fit the {self.ring_bytes}-byte ring unwrapped"
+            )
+        return self._array[CONTROL_BYTES + start : CONTROL_BYTES + start + num_bytes]
+
+    @property
+    def read_position(self) -> int:
+        """The ring position up to which the puller has read."""
+        return int(self._read_position[0])
+
+    def mark_read(self, position: int) -> None:
+        """Puller: everything before `position` is read; the writer may reuse that space."""
+        self._read_position[0] = position
+
+    # ------------------------------------------------------------ lifetime
+
+    def unlink(self) -> None:
+        """Remove the name (the puller, once the prefill worker holds the segment open)."""
+        if self._is_linked:
+            self._is_linked = False
+            try:
+                os.unlink(os.path.join(SHM_DIR, self.name))
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Unmap. Views still alive keep the mapping until they go (it is unmapped then)."""
+        if self._mmap is None:
+            return
+        self._array = self._read_position = np.empty(0, dtype=np.uint8)
+        mapping, self._mmap = self._mmap, None
+        try:
+            mapping.close()
+        except BufferError:
+            pass  # a view is still alive: the mapping goes with the last one
+
+
+class RingWriter:
+    """The prefill worker's side of a segment: places chunks in the ring in stream order."""
+
+    def __init__(self, segment: SharedSegment) -> None:
+        self.segment = segment
+        self._position = 0  # where the next chunk may start
+
+    def fits(self, num_bytes: int) -> bool:
+        return 0 < num_bytes <= self.segment.ring_bytes
+
+    async def write(self, payload: np.ndarray) -> int:
+        """Copy `payload` (uint8) into the ring once the puller has read the space it needs;
+        the ring position it starts at (for the chunk's header)."""
+        ring = self.segment.ring_bytes
+        num_bytes = payload.nbytes
+        start = self._position
+        if start % ring + num_bytes > ring:
+            start += ring - start % ring  # never wrap inside a chunk: skip to the ring's start
+        while start + num_bytes - self.segment.read_position > ring:
+            await asyncio.sleep(POLL_SECONDS)
+        np.copyto(self.segment.ring_region(start, num_bytes), payload)
+        self._position = start + num_bytes
+        return start

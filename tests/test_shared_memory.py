@@ -1,0 +1,265 @@
+"""The same-host KV path (`--kv-transfer-shm`): the segment, its ring, and pulls through it,
+including the ones where it cannot be used or a peer misuses it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import stat
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from kvservice.attention import AttentionMetadata
+from kvservice.connector import shared_memory, wire
+from kvservice.connector.kv_puller import LoadSpec, pull_kv
+from kvservice.connector.kv_transfer_service import FAULT_CORRUPT_CHUNK_EVERY, KVTransferService
+from kvservice.connector.prefill_connector import PrefillConnectorMetadata, PrefillKVConnector, SaveSpec
+from kvservice.connector.shared_memory import CONTROL_BYTES, RingWriter, SharedMemoryUnavailable, SharedSegment
+from kvservice.connector.staging import StagingPool
+from kvservice.connector.transfer_registry import TransferRegistry
+from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
+from kvservice.outputs import KVTransferCounters
+from kvservice.v1 import kvservice_pb2 as pb
+
+pytestmark = pytest.mark.timeout(60)
+
+LAYOUT = KVCacheLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+BLOCK = LAYOUT.bytes_per_block_per_layer
+FIRST_TOKEN = 17
+WAIT = 20.0
+
+
+def _segments() -> set[str]:
+    """This process's segments (a name carries its creator's pid)."""
+    return {n for n in os.listdir(shared_memory.SHM_DIR) if n.startswith(f"kvservice-kv-{os.getpid()}-")}
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left_behind() -> Iterator[None]:
+    """Every test, passing or refused, leaves /dev/shm as it found it."""
+    before = _segments()
+    yield
+    assert _segments() == before
+
+
+# ---------------------------------------------------------------- the segment
+
+
+def test_a_segment_is_private_to_its_user_and_gone_from_the_namespace_once_unlinked() -> None:
+    segment = SharedSegment.create(CONTROL_BYTES + 1000)
+    try:
+        info = os.stat(os.path.join(shared_memory.SHM_DIR, segment.name))
+        assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_size == CONTROL_BYTES + 1000
+        peer = SharedSegment.open(segment.name)  # what the prefill worker does
+        peer.ring_region(0, 3)[:] = [1, 2, 3]
+        assert list(segment.ring_region(0, 3)) == [1, 2, 3]  # one memory, two mappings
+        segment.unlink()
+        with pytest.raises(SharedMemoryUnavailable):
+            SharedSegment.open(segment.name)
+        peer.close()
+    finally:
+        segment.unlink()
+        segment.close()
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../../etc/passwd", "kvservice-kv-1-" + "z" * 32, "kvservice-kv-1-" + "a" * 31, "other", "kvservice-kv-1-" + "a" * 32 + "/x"],
+)
+def test_open_refuses_any_name_but_a_segments(name: str) -> None:
+    with pytest.raises(SharedMemoryUnavailable):
+        SharedSegment.open(name)
+
+
+def test_open_refuses_a_symlink_with_a_segment_name() -> None:
+    name = f"kvservice-kv-{os.getpid()}-{secrets.token_hex(16)}"
+    path = os.path.join(shared_memory.SHM_DIR, name)
+    os.symlink("/etc/hostname", path)
+    try:
+        with pytest.raises(SharedMemoryUnavailable):
+            SharedSegment.open(name)
+    finally:
+        os.unlink(path)
+
+
+def test_ring_regions_never_wrap_and_never_leave_the_ring() -> None:
+    segment = SharedSegment.create(CONTROL_BYTES + 100)
+    try:
+        assert segment.ring_region(250, 50).nbytes == 50  # positions 250-299 are ring bytes 50-99
+        for position, num_bytes in ((60, 41), (0, 101), (-1, 1), (99, 2)):
+            with pytest.raises(ValueError):
+                segment.ring_region(position, num_bytes)
+    finally:
+        segment.unlink()
+        segment.close()
+
+
+async def test_the_writer_reuses_ring_space_only_once_the_reader_has_read_it() -> None:
+    segment = SharedSegment.create(CONTROL_BYTES + 100)
+    try:
+        writer = RingWriter(segment)
+        chunk = np.full(40, 7, dtype=np.uint8)
+        assert [await writer.write(chunk) for _ in range(2)] == [0, 40]
+        # The third does not fit before the ring's end: it starts at the next lap, at 100,
+        # and overwrites [0, 40), so it waits until the reader has read past 40.
+        third = asyncio.create_task(writer.write(np.full(40, 9, dtype=np.uint8)))
+        await asyncio.sleep(0.01)
+        assert not third.done()
+        segment.mark_read(39)
+        await asyncio.sleep(0.01)
+        assert not third.done()
+        segment.mark_read(40)
+        assert await asyncio.wait_for(third, WAIT) == 100
+        assert list(segment.ring_region(100, 40)) == [9] * 40 and list(segment.ring_region(40, 40)) == [7] * 40
+        assert not writer.fits(101) and writer.fits(100)
+    finally:
+        segment.unlink()
+        segment.close()
+
+
+# ---------------------------------------------------------------- pulls through it
+
+
+class _Prefill:
+    """A real prefill side in this process: random KV staged through the connector, served by
+    `KVTransferService` (or by `frames`, a fake server, when given)."""
+
+    def __init__(self, num_tokens: int, frames: Callable[[pb.PullKVRequest], list[bytes]] | None = None) -> None:
+        self.num_tokens = num_tokens
+        self.num_blocks = LAYOUT.num_blocks_for(num_tokens)
+        self.kv_caches = allocate_kv_caches(LAYOUT, self.num_blocks, torch.device("cpu"))
+        gen = torch.Generator().manual_seed(3)
+        for kv_layer in self.kv_caches:
+            kv_layer.normal_(generator=gen)
+        self.registry = TransferRegistry(StagingPool(self.num_blocks * LAYOUT.bytes_per_block), LAYOUT)
+        self.service = KVTransferService(self.registry)
+        self.frames = frames
+        self.requests: list[pb.PullKVRequest] = []
+
+    def stage(self, request_id: str, token: bytes, chunk_blocks: int) -> None:
+        connector = PrefillKVConnector(self.registry, chunk_bytes=chunk_blocks * BLOCK)
+        self.registry.register(request_id, token, self.num_tokens)
+        connector.bind_connector_metadata(PrefillConnectorMetadata([SaveSpec(request_id, 0, list(range(self.num_blocks)))]))
+        no_attention = AttentionMetadata(torch.empty(0, dtype=torch.long), 0, None, None, [])
+        for layer, kv_layer in enumerate(self.kv_caches):
+            connector.save_kv_layer(layer, kv_layer, no_attention)
+        connector.clear_connector_metadata()
+        self.registry.complete(request_id, FIRST_TOKEN)
+
+    async def pull_kv(self, request: pb.PullKVRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        self.requests.append(request)
+        if self.frames is None:
+            async for frame in self.service.pull_kv(request, context):
+                yield frame
+        else:
+            for frame in self.frames(request):
+                yield frame
+
+
+async def _pull(prefill: _Prefill, request_id: str, token: bytes) -> tuple[str | None, KVTransferCounters, list[torch.Tensor]]:
+    handler = grpc.method_handlers_generic_handler(
+        "kvservice.v1.KVTransfer",
+        {"PullKV": grpc.unary_stream_rpc_method_handler(prefill.pull_kv, request_deserializer=pb.PullKVRequest.FromString)},
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    try:
+        block_ids = list(range(prefill.num_blocks, 0, -1))  # block 0 stays untouched
+        caches = allocate_kv_caches(LAYOUT, prefill.num_blocks + 1, torch.device("cpu"))
+        counters = KVTransferCounters()
+        spec = LoadSpec(request_id, address, token, block_ids, prefill.num_tokens)
+        async with grpc.aio.insecure_channel(address) as channel:
+            result = await pull_kv(channel, spec, caches, LAYOUT, WAIT, counters, use_shared_memory=True)
+        if result.error is None:
+            assert result.first_token_id == FIRST_TOKEN
+            for layer, cache in enumerate(caches):
+                assert torch.equal(cache[:, block_ids].view(torch.int16), prefill.kv_caches[layer].view(torch.int16))
+                assert not cache[:, 0].any()
+        return result.error, counters, caches
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 3, 64], ids=["ring-laps", "uneven-chunks", "one-chunk-per-layer"])
+async def test_a_pull_through_the_segment_is_bit_identical_and_leaves_nothing_behind(
+    chunk_blocks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A ring of 5 blocks' bytes for 3 layers x 7 blocks: small chunks lap it several times;
+    # a whole layer (7 blocks) does not fit it and goes over the stream as bytes.
+    monkeypatch.setattr(shared_memory, "DEFAULT_RING_BYTES", 5 * BLOCK)
+    prefill = _Prefill(num_tokens=27)  # 7 blocks, the last one partial
+    token = secrets.token_bytes(16)
+    prefill.stage("r", token, chunk_blocks)
+    error, counters, _ = await _pull(prefill, "r", token)
+    assert error is None
+    assert prefill.requests[0].shared_memory  # it was offered
+    total = 3 * 7 * BLOCK
+    assert counters.num_bytes == total
+    assert counters.num_shared_memory_bytes == (0 if chunk_blocks == 64 else total)
+    assert prefill.service.stats.num_shared_memory_bytes == counters.num_shared_memory_bytes
+    assert prefill.registry.pool.bytes_in_use == 0
+
+
+async def test_a_prefill_that_cannot_open_the_segment_streams_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another host (or /dev/shm, or user): the name does not open there; the pull still works."""
+    prefill = _Prefill(num_tokens=9)
+    token = secrets.token_bytes(16)
+    prefill.stage("r", token, 2)
+
+    def elsewhere(name: str) -> SharedSegment:
+        raise SharedMemoryUnavailable(f"cannot open {name}: No such file or directory")
+
+    monkeypatch.setattr(SharedSegment, "open", staticmethod(elsewhere))
+    error, counters, _ = await _pull(prefill, "r", token)
+    assert error is None and counters.num_bytes == 3 * 3 * BLOCK and counters.num_shared_memory_bytes == 0
+
+
+async def test_a_corrupted_byte_in_the_segment_fails_the_pull(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FAULT_CORRUPT_CHUNK_EVERY, "2")
+    prefill = _Prefill(num_tokens=9)
+    token = secrets.token_bytes(16)
+    prefill.stage("r", token, 1)
+    error, _, _ = await _pull(prefill, "r", token)
+    assert error is not None and "header.crc32" in error
+
+
+def _header_only(request_id: str, position: int, num_blocks: int = 1, layer: int = 0) -> bytes:
+    payload = np.zeros(num_blocks * BLOCK, dtype=np.uint8)
+    return wire.encode_chunk(
+        request_id=request_id, layer=layer, first_block=0, num_blocks=num_blocks, dtype="bfloat16",
+        shape=LAYOUT.blocks_shape(num_blocks), payload=memoryview(payload), shared_memory_position=position,
+    )
+
+
+@pytest.mark.parametrize(
+    ("frames", "message"),
+    [
+        # A header-only chunk on a pull that offered nothing (the fake drops the offer below).
+        (lambda rid: [_header_only(rid, 0)], "this pull offered no shared memory"),
+        # Positions must move forward: a chunk may not point back at ring space already read.
+        (lambda rid: [_header_only(rid, 0), _header_only(rid, 0, layer=1)], "before the previous chunk's end"),
+        # Bytes running past the ring's end (the ring holds the pull's 9 blocks).
+        (lambda rid: [_header_only(rid, 9 * BLOCK - 10)], "do not fit"),
+    ],
+    ids=["not-offered", "backwards", "wraps"],
+)
+async def test_the_puller_refuses_header_only_chunks_it_cannot_trust(
+    frames: Callable[[str], list[bytes]], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefill = _Prefill(num_tokens=9, frames=lambda request: frames(request.request_id))
+    if message == "this pull offered no shared memory":
+
+        def refuse(size: int) -> SharedSegment:
+            raise OSError("no /dev/shm here")
+
+        monkeypatch.setattr(SharedSegment, "create", staticmethod(refuse))
+    error, _, caches = await _pull(prefill, "r", b"t" * 16)
+    assert error is not None and "rejected a chunk" in error and message in error, error
+    assert not any(cache.any() for cache in caches), "a refused chunk was written"
