@@ -65,7 +65,10 @@ def _run_bench(args: list[str], timeout_s: float) -> Any:
 def bench_transfer(device: str, quick: bool, timeout_s: float) -> Figures:
     size, repeats = ("4", "1") if quick else ("256", "3")
     report = _run_bench(["transfer", "--device", device, "--size-mib", size, "--repeats", repeats], timeout_s)
-    keys = ("grpc_gbps", "tcp_gbps", "ratio", "grpc_sender_cpu_s_per_gb", "grpc_receiver_cpu_s_per_gb", "num_verified_bytes")
+    keys = (
+        "grpc_gbps", "tcp_gbps", "ratio", "plain_grpc_gbps", "shm_gbps", "shm_ratio",
+        "grpc_sender_cpu_s_per_gb", "grpc_receiver_cpu_s_per_gb", "num_verified_bytes",
+    )
     return {k: float(report[k]) for k in keys}
 
 

@@ -25,9 +25,12 @@ def test_small_run_reports_verified_figures_as_json(capsys: pytest.CaptureFixtur
     assert transfer.main(args) == 0  # nonzero: a process went over its memory bound
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["num_bytes"] == 8 << 20 and report["num_tokens"] == 64
-    assert report["num_verified_bytes"] == report["num_bytes"] * report["repeats"] and report["dst_blocks"] == "reversed"
-    assert report["grpc_gbps"] > 0 and report["tcp_gbps"] > 0
+    # Verified bit for bit: each repeat's gRPC pull and its same-host (shared-memory) pull.
+    assert report["num_verified_bytes"] == 2 * report["num_bytes"] * report["repeats"] and report["dst_blocks"] == "reversed"
+    assert report["grpc_gbps"] > 0 and report["tcp_gbps"] > 0 and report["shm_gbps"] > 0 and report["plain_grpc_gbps"] > 0
     assert report["ratio"] == pytest.approx(report["grpc_gbps"] / report["tcp_gbps"])
+    assert report["shm_ratio"] == pytest.approx(report["shm_gbps"] / report["tcp_gbps"])
+    assert report["grpc_of_plain_grpc_median"] == pytest.approx(report["grpc_gbps_median"] / report["plain_grpc_gbps_median"])
     assert report["ratio"] > 0
     for role in ("prefill", "decode"):
         memory = report["memory"][role]

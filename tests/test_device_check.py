@@ -21,6 +21,8 @@ EXPECTED_FIGURES = [
     "bench_transfer.ratio",
     "bench_transfer.grpc_gbps",
     "bench_transfer.tcp_gbps",
+    "bench_transfer.plain_grpc_gbps",
+    "bench_transfer.shm_gbps",
     "bench_spec.deferred_over_eager",
     "bench_engine.float32.b1.decode_ratio",
     "bench_engine.float32.b2.decode_ratio",

@@ -1,5 +1,6 @@
 """`kvservice bench transfer`: one prompt's KV cache, prefill process to decode process,
-over the real PullKV path and over raw TCP, side by side in one run.
+over the real PullKV path (gRPC, and the same-host shared-memory segment) and over raw
+TCP and a plain gRPC stream, side by side in one run.
 
 The gRPC side runs the serving code itself. A prefill process holds a seeded random KV
 cache (8B-like layout), stages the request's blocks through
@@ -8,8 +9,11 @@ them with `KVTransferService` on a grpc.aio server. A decode process pulls them 
 `pull_kv` into its own preallocated cache, at different block ids (the mapping is part of
 what is checked), timing from the request to the done frame. Each side then checksums
 every layer's blocks in the prompt's order; a run whose bytes differ fails instead of
-reporting a number (`verify_pull`). The TCP side is `tcp_transfer` with the same number
-of bytes. The child processes and their messages live in `transfer_worker`.
+reporting a number (`verify_pull`). The same pair of processes then pulls again with
+`--kv-transfer-shm`'s segment offered: reported apart, never as the gRPC figure. The TCP
+side is `tcp_transfer` with the same number of bytes; `plain_grpc_transfer` shows what a
+grpc.aio stream of prebuilt bytes moves here, the ceiling of the gRPC path. The child
+processes and their messages live in `transfer_worker`.
 
 Every process starts with the workers' environment (`WORKER_ENV`: malloc tunables and
 passive OpenMP) and one torch thread: DESIGN.md, "Performance targets".
@@ -30,6 +34,7 @@ from typing import Any
 
 import torch
 
+from kvservice.client.bench.grpc_baseline import PlainGrpcResult, plain_grpc_transfer
 from kvservice.client.bench.tcp_baseline import MiB, pin, tcp_transfer
 from kvservice.client.bench.transfer_worker import (
     FIRST_TOKEN_ID,
@@ -182,6 +187,24 @@ def _memory_check(memory: dict[str, dict[str, int]]) -> dict[str, Any]:
     return report
 
 
+def _gbps_summary(prefix: str, gbps: list[float], tcp_gbps: list[float]) -> dict[str, float]:
+    """Best and median GB/s of one path, and each as a ratio to raw TCP's best and median."""
+    return {
+        f"{prefix}_gbps": max(gbps),
+        f"{prefix}_gbps_median": statistics.median(gbps),
+        f"{prefix}_ratio": max(gbps) / max(tcp_gbps),
+        f"{prefix}_ratio_median": statistics.median(gbps) / statistics.median(tcp_gbps),
+    }
+
+
+def _cpu_per_gb(runs: list[GrpcTransfer], num_bytes: int) -> dict[str, float]:
+    """CPU seconds per GB moved, each side, best run."""
+    return {
+        "sender_cpu_s_per_gb": min(r.sender_cpu_seconds for r in runs) / (num_bytes / 1e9),
+        "receiver_cpu_s_per_gb": min(r.receiver_cpu_seconds for r in runs) / (num_bytes / 1e9),
+    }
+
+
 def run_transfer_bench(
     size_mib: float,
     repeats: int,
@@ -192,60 +215,77 @@ def run_transfer_bench(
     log: Callable[[str], None] = print,
     cores: tuple[int, int] | None = None,
     device: str = "cpu",
+    shared_memory: bool = True,
 ) -> dict[str, Any]:
     """Ship `size_mib` of KV `repeats` times each way, alternating; the report as a dict.
 
-    Raises RuntimeError when any transfer delivers bytes that differ from the source.
+    Each repeat runs, one after another: PullKV over gRPC, PullKV over the same-host
+    segment (`shared_memory`), raw TCP, and a plain gRPC stream (`grpc_baseline`, the
+    ceiling of the gRPC path here). Raises RuntimeError when any transfer delivers bytes
+    that differ from the source.
     """
     layout = BENCH_LAYOUT
     bytes_per_token = layout.bytes_per_block // layout.block_size
     num_tokens = max(1, round(size_mib * MiB / bytes_per_token))
     setup = BenchSetup(layout, num_tokens, is_reversed, seed, timeout_s, device)
     grpc_runs: list[GrpcTransfer] = []
+    shm_runs: list[GrpcTransfer] = []
     tcp_runs = []
+    plain_runs: list[PlainGrpcResult] = []
     with _worker_environment():
         pair = _GrpcPair(setup, cores)
         try:
             for i in range(repeats):
                 grpc_runs.append(pair.transfer())
+                if shared_memory:
+                    shm_runs.append(pair.transfer(use_shared_memory=True))
                 tcp_runs.append(tcp_transfer(setup.num_bytes, chunk_bytes=MiB, timeout_s=timeout_s, seed=seed + i, cores=cores))
+                plain_runs.append(plain_grpc_transfer(setup.num_bytes, timeout_s=timeout_s, seed=seed + i, cores=cores))
+                shm = f", same-host shm {shm_runs[-1].gb_per_s:.2f}" if shared_memory else ""
                 log(
-                    f"  run {i + 1}/{repeats}: gRPC {grpc_runs[-1].gb_per_s:.2f} GB/s "
-                    f"({grpc_runs[-1].seconds * 1e3:.1f} ms), TCP {tcp_runs[-1].gb_per_s:.2f} GB/s "
-                    f"({tcp_runs[-1].seconds * 1e3:.1f} ms)"
+                    f"  run {i + 1}/{repeats} (GB/s): PullKV gRPC {grpc_runs[-1].gb_per_s:.2f}{shm}, "
+                    f"raw TCP {tcp_runs[-1].gb_per_s:.2f}, plain gRPC stream {plain_runs[-1].gb_per_s:.2f}"
                 )
             memory = pair.stop()
         finally:
             pair.close()
-    grpc_gbps = [r.gb_per_s for r in grpc_runs]
     tcp_gbps = [r.gb_per_s for r in tcp_runs]
-    return {
+    grpc = _gbps_summary("grpc", [r.gb_per_s for r in grpc_runs], tcp_gbps)
+    plain = _gbps_summary("plain_grpc", [r.gb_per_s for r in plain_runs], tcp_gbps)
+    report: dict[str, Any] = {
         "device": device,
         "num_bytes": setup.num_bytes,
         "num_tokens": num_tokens,
         "layout": {**asdict(layout), "dtype": str(layout.dtype).removeprefix("torch.")},
         "dst_blocks": "reversed" if is_reversed else "contiguous",
         "repeats": repeats,
-        "grpc_gbps": max(grpc_gbps),
-        "grpc_gbps_median": statistics.median(grpc_gbps),
+        "grpc_gbps": grpc["grpc_gbps"],
+        "grpc_gbps_median": grpc["grpc_gbps_median"],
         "tcp_gbps": max(tcp_gbps),
         "tcp_gbps_median": statistics.median(tcp_gbps),
-        "ratio": max(grpc_gbps) / max(tcp_gbps),
-        "ratio_median": statistics.median(grpc_gbps) / statistics.median(tcp_gbps),
+        "ratio": grpc["grpc_ratio"],
+        "ratio_median": grpc["grpc_ratio_median"],
+        **plain,
+        # PullKV against the plain stream: what the serving path keeps of gRPC's ceiling.
+        "grpc_of_plain_grpc_median": grpc["grpc_gbps_median"] / plain["plain_grpc_gbps_median"],
         "grpc_seconds": [r.seconds for r in grpc_runs],
         "tcp_seconds": [r.seconds for r in tcp_runs],
+        "plain_grpc_receiver_cpu_s_per_gb": min(r.receiver_cpu_seconds / (r.num_bytes / 1e9) for r in plain_runs),
         "staging_seconds": [r.staging_seconds for r in grpc_runs],
         # CPU seconds per GB moved, each side, best run (DESIGN: ~0.37 per side for gRPC).
-        "grpc_sender_cpu_s_per_gb": min(r.sender_cpu_seconds for r in grpc_runs) / (setup.num_bytes / 1e9),
-        "grpc_receiver_cpu_s_per_gb": min(r.receiver_cpu_seconds for r in grpc_runs) / (setup.num_bytes / 1e9),
-        # Every transfer went through `verify_pull`, which raises on any difference.
-        "num_verified_bytes": sum(r.num_verified_bytes for r in grpc_runs),
+        **{f"grpc_{k}": v for k, v in _cpu_per_gb(grpc_runs, setup.num_bytes).items()},
+        # Every PullKV transfer went through `verify_pull`, which raises on any difference.
+        "num_verified_bytes": sum(r.num_verified_bytes for r in grpc_runs + shm_runs),
         "memory": _memory_check(memory),
         "tcp_peak_rss_bytes": {
             "sender": max(r.sender_peak_rss_bytes for r in tcp_runs),
             "receiver": max(r.receiver_peak_rss_bytes for r in tcp_runs),
         },
     }
+    if shm_runs:
+        report |= _gbps_summary("shm", [r.gb_per_s for r in shm_runs], tcp_gbps)
+        report |= {f"shm_{k}": v for k, v in _cpu_per_gb(shm_runs, setup.num_bytes).items()}
+    return report
 
 
 # ---------------------------------------------------------------- command line
@@ -275,6 +315,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not pin the sender and the receiver (gRPC and TCP alike) to two different cores")
     parser.add_argument("--device", default="cpu",
                         help="'cpu' or 'cuda[:N]': where both processes' KV caches live (raw TCP moves host bytes; default cpu)")
+    parser.add_argument("--no-shm", dest="shared_memory", action="store_false",
+                        help="skip the same-host shared-memory path (--kv-transfer-shm), reported apart from gRPC")
     parser.add_argument("--json", action="store_true", help="end with one line of JSON: the whole report")
 
 
@@ -288,16 +330,28 @@ def main(args: argparse.Namespace) -> int:
     cores = (available[0], available[1]) if args.pin and len(available) >= 2 else None
     report = run_transfer_bench(
         args.size_mib, args.repeats, is_reversed=args.reversed_blocks, seed=args.seed, timeout_s=args.timeout,
-        cores=cores, device=args.device,
+        cores=cores, device=args.device, shared_memory=args.shared_memory,
     )
+    r = report
     print(
-        f"gRPC PullKV: best {report['grpc_gbps']:.2f} GB/s, median {report['grpc_gbps_median']:.2f}\n"
-        f"raw TCP:     best {report['tcp_gbps']:.2f} GB/s, median {report['tcp_gbps_median']:.2f}\n"
-        f"gRPC / TCP:  best {report['ratio']:.2f}x, median {report['ratio_median']:.2f}x "
-        f"(target >= 0.6x); every transfer verified bit for bit\n"
-        f"gRPC CPU per GB: sender {report['grpc_sender_cpu_s_per_gb']:.2f} s, "
-        f"receiver {report['grpc_receiver_cpu_s_per_gb']:.2f} s (best run each)"
+        f"raw TCP:            best {r['tcp_gbps']:.2f} GB/s, median {r['tcp_gbps_median']:.2f}\n"
+        f"PullKV over gRPC:   best {r['grpc_gbps']:.2f} GB/s, median {r['grpc_gbps_median']:.2f}; "
+        f"{r['ratio']:.2f}x raw TCP best, {r['ratio_median']:.2f}x median (target >= 0.6x)\n"
+        f"plain gRPC stream:  best {r['plain_grpc_gbps']:.2f} GB/s, median {r['plain_grpc_gbps_median']:.2f}; "
+        f"{r['plain_grpc_ratio']:.2f}x raw TCP best, {r['plain_grpc_ratio_median']:.2f}x median "
+        f"(gRPC's ceiling here; PullKV keeps {r['grpc_of_plain_grpc_median']:.2f} of it)"
     )
+    if "shm_gbps" in r:
+        print(
+            f"same-host shm:      best {r['shm_gbps']:.2f} GB/s, median {r['shm_gbps_median']:.2f}; "
+            f"{r['shm_ratio']:.2f}x raw TCP best, {r['shm_ratio_median']:.2f}x median (--kv-transfer-shm; not the gRPC path)"
+        )
+    print(
+        f"CPU per GB (best run): PullKV gRPC sender {r['grpc_sender_cpu_s_per_gb']:.2f} s, receiver {r['grpc_receiver_cpu_s_per_gb']:.2f} s; "
+        f"plain gRPC receiver {r['plain_grpc_receiver_cpu_s_per_gb']:.2f} s"
+        + (f"; shm sender {r['shm_sender_cpu_s_per_gb']:.2f} s, receiver {r['shm_receiver_cpu_s_per_gb']:.2f} s" if "shm_gbps" in r else "")
+    )
+    print("every PullKV transfer verified bit for bit; the baselines by CRC-32")
     for role, m in report["memory"].items():
         held = f"KV {_mib(m['kv_cache_bytes'])}" + (f" + staging {_mib(m['staging_bytes'])}" if "staging_bytes" in m else "")
         verdict = "within" if m["is_within_bound"] else "OVER"

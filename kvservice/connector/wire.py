@@ -82,9 +82,9 @@ class DecodedFrame:
 # ---------------------------------------------------------------- encoding
 
 
-def checksum(data: memoryview | bytes) -> int:
-    """The CRC-32 a chunk header carries for `data` (zlib's polynomial)."""
-    return _crc32(data)
+def checksum(data: memoryview | bytes, value: int = 0) -> int:
+    """The CRC-32 a chunk header carries for `data` (zlib's polynomial), continuing `value`."""
+    return _crc32(data, value)
 
 
 def _varint(value: int) -> bytes:
