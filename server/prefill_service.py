@@ -17,6 +17,7 @@ from kvservice.async_engine import AsyncLLMEngine
 from kvservice.connector.base import TRANSFER_TOKEN
 from kvservice.connector.transfer_registry import TransferRegistry
 from kvservice.finish_reason import finish_reason_to_proto
+from kvservice.outputs import KVTransferCounters
 from kvservice.request import check_request_id
 from kvservice.sampling_params import SamplingParams
 from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
@@ -34,9 +35,9 @@ logger = logging.getLogger(__name__)
 class PrefillWorkerService(EngineWorkerService):
     def __init__(
         self, engine: AsyncLLMEngine, registry: TransferRegistry, staging_wait_seconds: float = 10.0, metrics: ServerMetrics | None = None,
-        kv_events: KVEventPublisher | None = None,
+        kv_events: KVEventPublisher | None = None, kv_sending: KVTransferCounters | None = None,
     ) -> None:
-        super().__init__(engine, "prefill", kv_events)
+        super().__init__(engine, "prefill", kv_events, kv_sending)
         self.registry = registry
         self.staging_wait_seconds = staging_wait_seconds
         self.metrics = metrics if metrics is not None else ServerMetrics("prefill")

@@ -41,10 +41,8 @@ from kvservice.server.kv_events import KVEventPublisher
 from kvservice.server.metrics import ServerMetrics, metrics_app, start_http
 from kvservice.server.openai_front import OpenAIFront
 from kvservice.server.prefill_service import PrefillWorkerService
-from kvservice.server.stats import engine_stats, transfer_counters_to_proto
 from kvservice.server.worker_service import EngineWorkerService
 from kvservice.tls import TLSFiles, add_tls_arguments, add_worker_peer_names_argument, check_worker_peer_names
-from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -144,8 +142,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
     async_engine.start()
 
     metrics = ServerMetrics(args.role)
-    transfer_service: KVTransferService | None = None
     prefill_service: PrefillWorkerService | None = None
+    worker_service: EngineWorkerService
     credentials = tls.server_credentials()
     generation: ColocatedGenerationService | None = None
     # Every role checks the bearer token on every RPC but health; workers can also check the peer's certificate.
@@ -156,18 +154,20 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         server = GrpcServer([SERVICE_NAMES["generation"], SERVICE_NAMES["worker"]], credentials, interceptors)
         generation = ColocatedGenerationService(async_engine, metrics=metrics)
         pb_grpc.add_GenerationServicer_to_server(generation, server.server)
-        pb_grpc.add_WorkerServicer_to_server(EngineWorkerService(async_engine, "both", kv_events), server.server)
+        worker_service = EngineWorkerService(async_engine, "both", kv_events)
     elif args.role == "decode":
         server = GrpcServer([SERVICE_NAMES["worker"]], credentials, interceptors)
         kv_peers = frozenset(args.kv_peers) if args.kv_peers is not None else None
-        pb_grpc.add_WorkerServicer_to_server(DecodeWorkerService(async_engine, metrics=metrics, kv_peers=kv_peers, kv_events=kv_events), server.server)
+        worker_service = DecodeWorkerService(async_engine, metrics=metrics, kv_peers=kv_peers, kv_events=kv_events)
     else:
         assert registry is not None
         server = GrpcServer([SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], credentials, interceptors)
-        prefill_service = PrefillWorkerService(async_engine, registry, metrics=metrics, kv_events=kv_events)
-        pb_grpc.add_WorkerServicer_to_server(prefill_service, server.server)
         transfer_service = KVTransferService(registry)
         server.server.add_generic_rpc_handlers([transfer_service.handler()])
+        worker_service = prefill_service = PrefillWorkerService(
+            async_engine, registry, metrics=metrics, kv_events=kv_events, kv_sending=transfer_service.stats
+        )
+    pb_grpc.add_WorkerServicer_to_server(worker_service, server.server)
     port = server.bind(args.host, args.port)
     await server.set_serving(True)
     ready_line = f"kvservice serve: role={args.role} listening on {args.host}:{port}"
@@ -184,14 +184,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         runners.append(runner)
         ready_line += f"; http on {args.host}:{http_port}"
     if args.metrics_port is not None:
-
-        async def snapshot() -> pb.StatsResponse:
-            stats: pb.StatsResponse = await async_engine.call(lambda engine: engine_stats(engine, args.role))
-            if transfer_service is not None:
-                transfer_counters_to_proto(transfer_service.stats.snapshot(), stats.kv_sending)
-            return stats
-
-        metrics_runner, metrics_port = await start_http(metrics_app(metrics, snapshot), args.host, args.metrics_port)
+        metrics_runner, metrics_port = await start_http(metrics_app(metrics, worker_service.stats), args.host, args.metrics_port)
         runners.append(metrics_runner)
         ready_line += f"; metrics on {args.host}:{metrics_port}"
 

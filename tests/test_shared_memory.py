@@ -263,3 +263,32 @@ async def test_the_puller_refuses_header_only_chunks_it_cannot_trust(
     error, _, caches = await _pull(prefill, "r", b"t" * 16)
     assert error is not None and "rejected a chunk" in error and message in error, error
     assert not any(cache.any() for cache in caches), "a refused chunk was written"
+
+
+# ---------------------------------------------------------------- across processes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_a_cluster_with_kv_transfer_shm_moves_every_kv_byte_through_segments_and_leaves_none() -> None:
+    """`kvservice serve --role decode --kv-transfer-shm` with a prefill worker on this host:
+    the output is the colocated engine's, every pulled byte went through a segment (both
+    workers' stats say so), and no segment outlives the cluster."""
+    from conftest import local_cluster, tiny_greedy
+
+    from kvservice.client.client import KVServiceClient
+
+    every_segment = set(os.listdir(shared_memory.SHM_DIR))
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 130)]  # 1 to 9 blocks of 16 tokens
+    async with local_cluster("tiny", worker_args=["--num-threads", "1", "--kv-transfer-shm"]) as cluster:
+        async with KVServiceClient(cluster.address) as client:
+            outputs = [
+                list((await client.complete(p, timeout=60, max_tokens=6, temperature=0, ignore_eos=True)).token_ids) for p in prompts
+            ]
+        async with KVServiceClient(cluster.decode_addresses[0]) as decode, KVServiceClient(cluster.prefill_addresses[0]) as prefill:
+            received, sent = (await decode.stats()).kv_receiving, (await prefill.stats()).kv_sending
+    assert outputs == tiny_greedy(prompts, 6)
+    assert (received.num_transfers, received.num_failed_transfers) == (len(prompts), 0)
+    assert received.num_bytes > 0 and received.num_shared_memory_bytes == received.num_bytes
+    assert sent.num_shared_memory_bytes == sent.num_bytes == received.num_bytes
+    assert {n for n in os.listdir(shared_memory.SHM_DIR) if n.startswith("kvservice-kv-")} <= every_segment
