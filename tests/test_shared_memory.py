@@ -292,3 +292,32 @@ async def test_a_cluster_with_kv_transfer_shm_moves_every_kv_byte_through_segmen
     assert received.num_bytes > 0 and received.num_shared_memory_bytes == received.num_bytes
     assert sent.num_shared_memory_bytes == sent.num_bytes == received.num_bytes
     assert {n for n in os.listdir(shared_memory.SHM_DIR) if n.startswith("kvservice-kv-")} <= every_segment
+
+
+def test_the_sweep_removes_old_names_of_dead_pullers_only() -> None:
+    import subprocess
+    import sys
+    import time
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    old = time.time() - 2 * shared_memory.ORPHAN_AGE_SECONDS
+    names = {
+        "orphan": f"kvservice-kv-{dead_pid}-{secrets.token_hex(16)}",
+        "fresh": f"kvservice-kv-{dead_pid}-{secrets.token_hex(16)}",  # its pull may be starting right now
+        "alive": f"kvservice-kv-{os.getpid()}-{secrets.token_hex(16)}",
+        "not-ours": f"other-{dead_pid}-{secrets.token_hex(16)}",
+    }
+    paths = {kind: os.path.join(shared_memory.SHM_DIR, name) for kind, name in names.items()}
+    try:
+        for kind, path in paths.items():
+            with open(path, "wb"):
+                pass
+            if kind != "fresh":
+                os.utime(path, (old, old))
+        assert shared_memory.sweep_orphaned_segments() >= 1
+        assert {kind for kind, path in paths.items() if os.path.exists(path)} == {"fresh", "alive", "not-ours"}
+    finally:
+        for path in paths.values():
+            if os.path.exists(path):
+                os.unlink(path)

@@ -30,6 +30,7 @@ from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN, KVConnector
 from kvservice.connector.channel_cache import ChannelCache
 from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
+from kvservice.connector.shared_memory import sweep_orphaned_segments
 from kvservice.kv_cache import KVCacheLayout
 from kvservice.outputs import (
     KVConnectorMetadata,
@@ -89,6 +90,8 @@ class DecodeKVConnector(KVConnectorBase):
         self.layout = layout
         # Offer each prefill worker a shared-memory segment for the bytes (same host only).
         self.use_shared_memory = use_shared_memory
+        if use_shared_memory:
+            sweep_orphaned_segments()
         self.transfer_timeout = transfer_timeout
         self.channel_credentials = channel_credentials
         self.on_load_done = on_load_done

@@ -29,16 +29,21 @@ smaller pull).
 - The puller unlinks the name when the first frame arrives, because the prefill worker
   opened the segment before it sent anything. After that, no other process can open it.
 - A segment holds one transfer's KV and is never reused for another.
+- A puller killed between creating a segment and the first frame leaves its name behind:
+  a decode worker starting with `--kv-transfer-shm` removes such names of dead processes
+  (`sweep_orphaned_segments`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import mmap
 import os
 import re
 import secrets
 import stat
+import time
 
 import numpy as np
 
@@ -49,7 +54,10 @@ CONTROL_BYTES = 4096  # the first page: the puller's read position
 DEFAULT_RING_BYTES = 8 << 20
 POLL_SECONDS = 0.0005  # the writer's wait while the ring is full
 _NAME_PREFIX = "kvservice-kv-"
-_NAME = re.compile(r"kvservice-kv-[0-9]{1,10}-[0-9a-f]{32}")
+_NAME = re.compile(r"kvservice-kv-([0-9]{1,10})-[0-9a-f]{32}")
+ORPHAN_AGE_SECONDS = 60.0  # a name this old whose creator is gone is an orphan
+
+logger = logging.getLogger(__name__)
 # Fault every page in when mapping: one pass in the kernel instead of a fault per page
 # during the copies (Linux only; 0 elsewhere).
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -156,6 +164,43 @@ class SharedSegment:
             mapping.close()
         except BufferError:
             pass  # a view is still alive: the mapping goes with the last one
+
+
+def sweep_orphaned_segments(now: float | None = None) -> int:
+    """Remove segment names left by pullers that died before their pull's first frame:
+    those whose creating process is gone and that are older than ORPHAN_AGE_SECONDS. The
+    number removed. Harmless if a creator is alive elsewhere (another PID namespace): a
+    prefill worker that cannot open a name streams the bytes over gRPC instead."""
+    now = time.time() if now is None else now
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match is None or _is_alive(int(match.group(1))):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if now - os.lstat(path).st_mtime > ORPHAN_AGE_SECONDS:
+                os.unlink(path)
+                removed += 1
+        except OSError:
+            continue  # gone already, or another user's
+    if removed:
+        logger.info("removed %d orphaned KV segment(s) from %s", removed, SHM_DIR)
+    return removed
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 class RingWriter:
