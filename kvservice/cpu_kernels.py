@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "norm_rotary.cpp", "block_quant_linear.cpp")]
 # torch caches builds by name and source hash; bump the version when an op's schema changes.
-_EXTENSION_VERSION = "v3"
+_EXTENSION_VERSION = "v4"
 # Vector ISA flags per torch's own CPU capability check. The capability is part of the
 # extension's name, so a cache shared by different CPUs never loads the wrong build.
 _ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]}
@@ -58,7 +58,11 @@ def load_cpu_kernels() -> bool:
                 name=name,
                 sources=[str(s) for s in _SOURCES],
                 # No FMA contraction: rotary then rounds exactly like the PyTorch formula.
-                extra_cflags=["-O3", "-fopenmp-simd", "-ffp-contract=off", *isa_flags],
+                # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers; without it
+                # every kernel ran on one thread. The build links libgomp.so.1, which resolves
+                # to the one torch already loaded (same soname): one OpenMP pool, torch's.
+                extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *isa_flags],
+                extra_ldflags=["-fopenmp"],
                 is_python_module=False,
                 verbose=False,
             )

@@ -5,7 +5,10 @@ the same function with either path).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pathlib
+import threading
 
 import pytest
 import torch
@@ -148,3 +151,38 @@ def test_greedy_tokens_are_the_same_with_and_without_the_kernel(
             module.block_quant = None  # the dense weights (bfloat16: widened): the path without the kernel
     assert [o.token_ids for o in llm.generate(prompts, params)] == with_kernel
     assert MAX_BLOCK_QUANT_ROWS >= len(prompts)  # so the decode steps above did use the kernel
+
+
+def _thread_cpu_ticks() -> dict[int, int]:
+    """utime + stime of each of this process's threads, in clock ticks."""
+    ticks = {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+            ticks[int(tid)] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def test_kernel_splits_its_work_over_torchs_threads_with_the_same_result(kernels: None) -> None:
+    """Built with OpenMP, so at::parallel_for really runs on torch's threads (it ran on one
+    when the extension was built without -fopenmp): another thread does a good share of the
+    calls' work, and the output is bit for bit the one-thread result."""
+    weight = _random_weight(8192, 576, False, seed=1)  # 512 panels: many per thread
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = weight.linear(x)
+        torch.set_num_threads(2)
+        weight.linear(x)  # the pool exists before counting
+        before = _thread_cpu_ticks()
+        for _ in range(200):  # nothing else in the loop: no other op's threads to count
+            y = weight.linear(x)
+        after = _thread_cpu_ticks()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(y, expected)
+    main = threading.get_native_id()
+    ticks = {tid: t - before.get(tid, 0) for tid, t in after.items()}
+    helper = max(t for tid, t in ticks.items() if tid != main)
+    assert ticks[main] >= 20 and helper >= 0.3 * ticks[main], f"only this thread ran the kernel: {ticks}"
