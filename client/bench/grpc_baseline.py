@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvservice.client.bench.tcp_baseline import MiB, pin
+from kvservice.client.bench.tcp_baseline import MiB, close_children, expect_reply, pin
 from kvservice.connector.wire import checksum
 
+_BASELINE = "plain gRPC baseline"
 _METHOD = "/kvservice.bench.Plain/Stream"
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
@@ -98,15 +99,6 @@ def _client(conn: Connection, port: int, timeout_s: float) -> None:
         raise
 
 
-def _expect(conn: Connection, timeout_s: float, what: str) -> tuple[Any, ...]:
-    if not conn.poll(timeout_s):
-        raise TimeoutError(f"plain gRPC baseline: no {what} within {timeout_s} s")
-    message = conn.recv()
-    if message[0] == "error":
-        raise RuntimeError(f"plain gRPC baseline failed in the {message[1]}")
-    return message[1:]
-
-
 def plain_grpc_transfer(
     num_bytes: int,
     *,
@@ -129,21 +121,14 @@ def plain_grpc_transfer(
     try:
         server.start()
         pin(server, cores[0] if cores else None)
-        port, sent_crc = _expect(server_conn, timeout_s, "port from the server")
+        port, sent_crc = expect_reply(server_conn, timeout_s, "port from the server", _BASELINE)
         client = ctx.Process(target=_client, args=(client_child, port, timeout_s), daemon=True)
         client.start()
         pin(client, cores[1] if cores else None)
-        received, received_crc, seconds, cpu_seconds = _expect(client_conn, timeout_s, "client's result")
+        received, received_crc, seconds, cpu_seconds = expect_reply(client_conn, timeout_s, "client's result", _BASELINE)
         server_conn.send("stop")
     finally:
-        for conn in (server_conn, server_child, client_conn, client_child):
-            conn.close()
-        for process in (server, client):
-            if process is not None and process.pid is not None:
-                process.join(timeout=5)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
+        close_children([server_conn, server_child, client_conn, client_child], [server, client])
     if received != num_bytes or received_crc != sent_crc:
         raise RuntimeError(f"plain gRPC baseline: received {received} bytes, crc32 {received_crc:#010x}; sent {num_bytes}, {sent_crc:#010x}")
     timed_bytes = num_bytes - message_bytes

@@ -113,13 +113,26 @@ def _sender(
         raise
 
 
-def _expect(conn: Connection, timeout_s: float, what: str) -> tuple[Any, ...]:
+def expect_reply(conn: Connection, timeout_s: float, what: str, baseline: str = "tcp baseline") -> tuple[Any, ...]:
+    """A baseline child's next ("tag", *values) message, its values; its ("error", text) raised."""
     if not conn.poll(timeout_s):
-        raise TimeoutError(f"tcp baseline: no {what} within {timeout_s} s")
+        raise TimeoutError(f"{baseline}: no {what} within {timeout_s} s")
     message = conn.recv()
     if message[0] == "error":
-        raise RuntimeError(f"tcp baseline failed in the {message[1]}")
+        raise RuntimeError(f"{baseline} failed in the {message[1]}")
     return message[1:]
+
+
+def close_children(conns: list[Connection], processes: list[mp.process.BaseProcess | None]) -> None:
+    """Close the pipes, then reap each started child: 5 s to exit, then SIGKILL."""
+    for conn in conns:
+        conn.close()
+    for process in processes:
+        if process is not None and process.pid is not None:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
 
 
 def tcp_transfer(
@@ -152,7 +165,7 @@ def tcp_transfer(
     try:
         receiver.start()
         pin(receiver, cores[1] if cores else None)
-        (port,) = _expect(recv_conn, timeout_s, "port from the receiver")
+        (port,) = expect_reply(recv_conn, timeout_s, "port from the receiver")
         sender = ctx.Process(
             target=_sender,
             args=(send_child, port, num_bytes, chunk_bytes, num_threads, timeout_s, seed),
@@ -160,17 +173,10 @@ def tcp_transfer(
         )
         sender.start()
         pin(sender, cores[0] if cores else None)
-        seconds, received_crc, receiver_rss = _expect(recv_conn, timeout_s, "receiver's result")
-        sent_crc, sender_rss = _expect(send_conn, timeout_s, "result from the sender")
+        seconds, received_crc, receiver_rss = expect_reply(recv_conn, timeout_s, "receiver's result")
+        sent_crc, sender_rss = expect_reply(send_conn, timeout_s, "result from the sender")
     finally:
-        for conn in (recv_conn, recv_child, send_conn, send_child):
-            conn.close()
-        for process in (receiver, sender):
-            if process is not None and process.pid is not None:
-                process.join(timeout=5)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
+        close_children([recv_conn, recv_child, send_conn, send_child], [receiver, sender])
     if received_crc != sent_crc:
         raise RuntimeError(
             f"tcp baseline: destination crc32 {received_crc:#010x} != source {sent_crc:#010x}"

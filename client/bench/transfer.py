@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kvservice.client.bench.grpc_baseline import PlainGrpcResult, plain_grpc_transfer
-from kvservice.client.bench.tcp_baseline import MiB, pin, tcp_transfer
+from kvservice.client.bench.tcp_baseline import MiB, close_children, pin, tcp_transfer
 from kvservice.client.bench.transfer_worker import (
     FIRST_TOKEN_ID,
     BenchSetup,
@@ -166,15 +166,7 @@ class _GrpcPair:
         return memory
 
     def close(self) -> None:
-        for conn in (self._prefill_conn, self._decode_conn):
-            conn.close()
-        for process in self._processes:
-            if process.pid is None:
-                continue  # never started
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        close_children([self._prefill_conn, self._decode_conn], list(self._processes))
 
 
 def _memory_check(memory: dict[str, dict[str, int]]) -> dict[str, Any]:

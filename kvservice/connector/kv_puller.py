@@ -69,37 +69,36 @@ async def pull_kv(
         except OSError as e:
             logger.warning("request %s: no shared-memory segment (%s); pulling over the gRPC stream", spec.request_id, e)
     try:
-        return await _pull(channel, spec, kv_caches, layout, timeout, stats, metadata, segment)
+        request = pb.PullKVRequest(
+            request_id=spec.request_id,
+            transfer_token=spec.transfer_token,
+            num_layers=layout.num_layers,
+            block_size=layout.block_size,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            dtype=wire.dtype_name(layout.dtype),
+            first_block=spec.first_block,
+            shared_memory=segment.name if segment is not None else "",
+        )
+        call = channel.unary_stream(
+            PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=None
+        )(request, timeout=timeout, metadata=metadata)
+        return await _receive(call, spec, kv_caches, layout, stats, segment)
     finally:
         if segment is not None:
             segment.unlink()
             segment.close()
 
 
-async def _pull(
-    channel: grpc.aio.Channel,
+async def _receive(
+    call: grpc.aio.UnaryStreamCall,
     spec: LoadSpec,
     kv_caches: list[torch.Tensor],
     layout: KVCacheLayout,
-    timeout: float,
     stats: KVTransferCounters,
-    metadata: tuple[tuple[str, str], ...] | None,
     segment: SharedSegment | None,
 ) -> LoadResult:
-    request = pb.PullKVRequest(
-        request_id=spec.request_id,
-        transfer_token=spec.transfer_token,
-        num_layers=layout.num_layers,
-        block_size=layout.block_size,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        dtype=wire.dtype_name(layout.dtype),
-        first_block=spec.first_block,
-        shared_memory=segment.name if segment is not None else "",
-    )
-    call = channel.unary_stream(
-        PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=None
-    )(request, timeout=timeout, metadata=metadata)
+    """Read a PullKV stream into the transfer's blocks (the ring's bytes where a header says so)."""
     num_blocks = len(spec.block_ids)
     device = kv_caches[0].device if kv_caches else torch.device("cpu")
     block_ids = torch.tensor(spec.block_ids, dtype=torch.long, device=device)
