@@ -27,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--grace-period", type=float, default=30.0,
         help="seconds every child gets to drain on Ctrl-C / SIGTERM before it is killed (default: 30)",
     )
+    parser.add_argument(
+        "--kv-transfer-shm", action="store_true",
+        help="KV from prefill to decode workers through per-pull shared-memory segments instead of the gRPC byte "
+        "stream (every worker runs on this host; `kvservice serve --kv-transfer-shm`; default: off)",
+    )
     add_routing_arguments(parser)  # passed to the proxy
     add_tls_arguments(parser)
     add_worker_peer_names_argument(parser)  # passed to every worker
@@ -35,9 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
-    """Every worker's `kvservice serve` flags: the engine flags and peer names given to `launch`, then those after '--'."""
+    """Every worker's `kvservice serve` flags: the engine flags, peer names and shared-memory
+    switch given to `launch`, then those after '--'."""
     peer_names = ["--worker-peer-names", *args.worker_peer_names] if args.worker_peer_names is not None else []
-    return [*engine_argv(args), *peer_names, *(a for a in args.worker_args if a != "--")]
+    shm = ["--kv-transfer-shm"] if args.kv_transfer_shm else []
+    return [*engine_argv(args), *peer_names, *shm, *(a for a in args.worker_args if a != "--")]
 
 
 def proxy_argv(args: argparse.Namespace) -> list[str]:

@@ -74,6 +74,13 @@ def test_worker_peer_names_given_to_launch_reach_every_worker() -> None:
     assert worker.worker_peer_names == ["kvservice", "proxy.internal"]
 
 
+@pytest.mark.parametrize("flags", [[], ["--kv-transfer-shm"]])
+def test_kv_transfer_shm_given_to_launch_reaches_the_workers(flags: list[str]) -> None:
+    args = _parse(launch.add_arguments, *flags)
+    worker = _parse(worker_server.add_arguments, "--role", "decode", *launch.worker_argv(args))
+    assert worker.kv_transfer_shm is bool(flags)
+
+
 def test_launch_refuses_worker_peer_names_without_mutual_tls(capsys: pytest.CaptureFixture[str]) -> None:
     assert launch.main(_parse(launch.add_arguments, "--worker-peer-names", "kvservice")) == 2
     assert "--worker-peer-names needs mutual TLS" in capsys.readouterr().err
