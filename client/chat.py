@@ -15,7 +15,7 @@ from typing import TextIO
 import grpc
 
 from kvservice.client.client import KVServiceClient
-from kvservice.tls import TLSFiles, add_tls_arguments
+from kvservice.runtime.tls import TLSFiles, add_tls_arguments
 
 PROMPT = "you> "
 

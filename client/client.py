@@ -11,11 +11,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvservice.finish_reason import finish_reason_from_proto
+from kvservice.runtime.finish_reason import finish_reason_from_proto
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
@@ -36,6 +37,20 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
+
+
+_Result = TypeVar("_Result", GenerateChunk, Completion)
+
+
+def _from_response(cls: type[_Result], response: pb.GenerateResponse | pb.CompleteResponse) -> _Result:
+    """A streamed chunk or a whole completion: the same fields of the same message."""
+    return cls(
+        request_id=response.request_id,
+        token_ids=list(response.token_ids),
+        text=response.text,
+        finish_reason=finish_reason_from_proto(response.finish_reason),
+        num_prompt_tokens=response.num_prompt_tokens,
+    )
 
 
 # A prompt: text, token ids, or a conversation ({"role", "content"} messages) that the
@@ -111,25 +126,13 @@ class KVServiceClient:
         call = self._stub.Generate(build_request(prompt, **params), timeout=timeout, metadata=self._metadata)  # type: ignore[arg-type]
         try:
             async for response in call:
-                yield GenerateChunk(
-                    request_id=response.request_id,
-                    token_ids=list(response.token_ids),
-                    text=response.text,
-                    finish_reason=finish_reason_from_proto(response.finish_reason),
-                    num_prompt_tokens=response.num_prompt_tokens,
-                )
+                yield _from_response(GenerateChunk, response)
         finally:
             call.cancel()  # no-op once finished; aborts the request when the caller leaves early
 
     async def complete(self, prompt: PromptInput, timeout: float | None = None, **params: object) -> Completion:
         response = await self._stub.Complete(build_request(prompt, **params), timeout=timeout, metadata=self._metadata)  # type: ignore[arg-type]
-        return Completion(
-            request_id=response.request_id,
-            token_ids=list(response.token_ids),
-            text=response.text,
-            finish_reason=finish_reason_from_proto(response.finish_reason),
-            num_prompt_tokens=response.num_prompt_tokens,
-        )
+        return _from_response(Completion, response)
 
     async def stats(self, timeout: float = 10.0) -> pb.StatsResponse:
         """Stats of a proxy or a colocated worker (Generation.Stats), or of a prefill or

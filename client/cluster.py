@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvservice.client.client import KVServiceClient
-from kvservice.process_env import WORKER_ENV
+from kvservice.runtime.process_env import WORKER_ENV
 
 _PR_SET_PDEATHSIG = 1
 _READY = re.compile(r"listening on (\S+:\d+)")

@@ -11,7 +11,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from kvservice.client.client import KVServiceClient, PromptInput
-from kvservice.tls import TLSFiles, add_tls_arguments
+from kvservice.runtime.tls import TLSFiles, add_tls_arguments
 from kvservice.v1 import kvservice_pb2 as pb
 
 

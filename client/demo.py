@@ -19,7 +19,7 @@ from kvservice.client.bench.metrics import RequestRecord, compute_metrics, forma
 from kvservice.client.bench.record import StreamedChunk, record_stream
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
-from kvservice.event_loop import run_event_loop
+from kvservice.runtime.event_loop import run_event_loop
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",

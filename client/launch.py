@@ -10,10 +10,10 @@ import signal
 import sys
 
 from kvservice.client.cluster import LaunchError, LocalCluster
-from kvservice.engine_args import add_engine_arguments, engine_argv, engine_config
-from kvservice.event_loop import run_event_loop
-from kvservice.routing_args import add_routing_arguments, routing_argv
-from kvservice.tls import AUTH_TOKEN_ENV, TLSFiles, add_tls_arguments, add_worker_peer_names_argument, check_worker_peer_names
+from kvservice.runtime.engine_args import add_engine_arguments, engine_argv, engine_config
+from kvservice.runtime.event_loop import run_event_loop
+from kvservice.runtime.routing_args import add_routing_arguments, routing_argv
+from kvservice.runtime.tls import AUTH_TOKEN_ENV, TLSFiles, add_tls_arguments, add_worker_peer_names_argument, check_worker_peer_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

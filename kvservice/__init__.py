@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from kvservice.llm import LLM
-from kvservice.sampling_params import SamplingParams
+from kvservice.core.sampling_params import SamplingParams
+from kvservice.engine.llm import LLM
 
 try:
     __version__ = importlib.metadata.version("kvservice")

@@ -11,51 +11,60 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
-# subcommand -> (module, add_arguments, main, help)
-COMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "serve": ("kvservice.server.worker_server", "add_arguments", "main",
-              "run one worker: --role prefill | decode | both (colocated)"),
-    "proxy": ("kvservice.server.proxy_server", "add_arguments", "main",
-              "run the router that clients talk to, in front of prefill and decode workers"),
-    "launch": ("kvservice.client.launch", "add_arguments", "main",
-               "start N prefill + M decode workers and a proxy locally; Ctrl-C stops all"),
-    "generate": ("kvservice.client.commands", "add_generate_arguments", "generate_main",
-                 "send one request and stream its tokens to the terminal"),
-    "chat": ("kvservice.client.chat", "add_arguments", "main",
-             "an interactive chat in the terminal (history kept, answers streamed; Ctrl-D quits)"),
-    "stats": ("kvservice.client.commands", "add_stats_arguments", "stats_main",
-              "show a server's KV blocks, requests and KV transfer counters"),
-    "health": ("kvservice.client.commands", "add_health_arguments", "health_main",
-               "check a server's gRPC health (exit 0 when SERVING)"),
-    "demo": ("kvservice.client.demo", "add_arguments", "main",
-             "the main job: launch a prefill/decode pair on the tiny model, benchmark it, stop"),
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A subcommand: the module that defines it and the names of its two functions there."""
+
+    module: str
+    help: str
+    add_arguments: str = "add_arguments"
+    main: str = "main"
+
+
+COMMANDS: dict[str, Command] = {
+    "serve": Command("kvservice.server.worker_server", "run one worker: --role prefill | decode | both (colocated)"),
+    "proxy": Command("kvservice.server.proxy_server", "run the router that clients talk to, in front of prefill and decode workers"),
+    "launch": Command("kvservice.client.launch", "start N prefill + M decode workers and a proxy locally; Ctrl-C stops all"),
+    "generate": Command("kvservice.client.commands", "send one request and stream its tokens to the terminal",
+                        "add_generate_arguments", "generate_main"),
+    "chat": Command("kvservice.client.chat", "an interactive chat in the terminal (history kept, answers streamed; Ctrl-D quits)"),
+    "stats": Command("kvservice.client.commands", "show a server's KV blocks, requests and KV transfer counters",
+                     "add_stats_arguments", "stats_main"),
+    "health": Command("kvservice.client.commands", "check a server's gRPC health (exit 0 when SERVING)",
+                      "add_health_arguments", "health_main"),
+    "demo": Command("kvservice.client.demo", "the main job: launch a prefill/decode pair on SmolLM2, ask it chat questions, report latency, stop"),
 }
-BENCHMARKS: dict[str, tuple[str, str, str, str]] = {
-    "serve": ("kvservice.client.bench.serve", "add_arguments", "main",
-              "load a server with a vLLM-style workload: TTFT/TTST/TPOT/ITL/E2EL, throughput, KV transfer"),
-    "compare": ("kvservice.client.bench.compare", "add_arguments", "main",
-                "disaggregated (1 prefill core + 1 decode core) vs colocated (2 cores): same workload, side by side"),
-    "prefix": ("kvservice.client.bench.prefix", "add_arguments", "main",
-               "prefix caching off vs on, by routing (1 prefill + 2 decode each): same workload, side by side with ratios"),
-    "local-prefill": ("kvservice.client.bench.local_prefill", "add_arguments", "main",
-                      "decode-worker (local) vs disaggregated prefill of uncached prompt tails: the --max-local-prefill-tokens crossover"),
-    "transfer": ("kvservice.client.bench.transfer", "add_arguments", "main",
-                 "KV transfer over gRPC PullKV vs raw TCP, tensor to tensor across processes"),
-    "spec": ("kvservice.client.bench.spec", "add_arguments", "main",
-             "speculative decoding: deferred vs eager finalize of a prefill step; decode tokens/s with good and poor drafts"),
-    "engine": ("kvservice.client.bench.engine", "add_arguments", "main",
-               "prefill and decode tokens/s at batch 1 and 16, side by side with transformers' generate"),
+BENCHMARKS: dict[str, Command] = {
+    "serve": Command("kvservice.client.bench.serve",
+                     "load a server with a vLLM-style workload: TTFT/TTST/TPOT/ITL/E2EL, throughput, KV transfer"),
+    "compare": Command("kvservice.client.bench.compare",
+                       "disaggregated (1 prefill core + 1 decode core) vs colocated (2 cores): same workload, side by side"),
+    "prefix": Command("kvservice.client.bench.prefix",
+                      "prefix caching off vs on, by routing (1 prefill + 2 decode each): same workload, side by side with ratios"),
+    "local-prefill": Command("kvservice.client.bench.local_prefill",
+                             "decode-worker (local) vs disaggregated prefill of uncached prompt tails: the --max-local-prefill-tokens crossover"),
+    "transfer": Command("kvservice.client.bench.transfer", "KV transfer over gRPC PullKV vs raw TCP, tensor to tensor across processes"),
+    "spec": Command("kvservice.client.bench.spec",
+                    "speculative decoding: deferred vs eager finalize of a prefill step; decode tokens/s with good and poor drafts"),
+    "engine": Command("kvservice.client.bench.engine",
+                      "prefill and decode tokens/s at batch 1 and 16, side by side with transformers' generate"),
 }
 
 
-def _add(sub: argparse._SubParsersAction, name: str, spec: tuple[str, str, str, str]) -> None:
-    module_name, add_name, main_name, help_text = spec
-    parser = sub.add_parser(name, help=help_text, description=help_text)
-    module = importlib.import_module(module_name)
-    getattr(module, add_name)(parser)
-    main: Callable[[argparse.Namespace], int] = getattr(module, main_name)
-    parser.set_defaults(run=main)
+def _add_all(sub: argparse._SubParsersAction, commands: dict[str, Command], load: bool) -> None:
+    """One subparser per command; only with `load` are their modules imported and their flags added."""
+    for name, command in commands.items():
+        if not load:
+            sub.add_parser(name, help=command.help)
+            continue
+        parser = sub.add_parser(name, help=command.help, description=command.help)
+        module = importlib.import_module(command.module)
+        getattr(module, command.add_arguments)(parser)
+        main: Callable[[argparse.Namespace], int] = getattr(module, command.main)
+        parser.set_defaults(run=main)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -66,15 +75,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, spec in COMMANDS.items():
-        if command in (None, name):
-            _add(sub, name, spec)
-        else:
-            sub.add_parser(name, help=spec[3])
+        _add_all(sub, {name: spec}, command in (None, name))
     bench_help = "benchmarks: " + ", ".join(BENCHMARKS)
     bench = sub.add_parser("bench", help=bench_help, description=bench_help)
-    bench_sub = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    for name, spec in BENCHMARKS.items():
-        _add(bench_sub, name, spec) if command in (None, "bench") else bench_sub.add_parser(name, help=spec[3])
+    _add_all(bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK"), BENCHMARKS, command in (None, "bench"))
     return parser
 
 

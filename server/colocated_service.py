@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvservice.async_engine import AsyncLLMEngine
-from kvservice.request import check_request_id
+from kvservice.core.request import check_request_id
+from kvservice.engine.async_engine import AsyncLLMEngine
 from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
 from kvservice.server.generation import (
     StreamingGenerationService,

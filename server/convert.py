@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvservice.block_pool import KVCacheEvent
-from kvservice.chat_template import ChatPrompt, Prompt
-from kvservice.engine import RequestOutput
-from kvservice.finish_reason import finish_reason_to_proto
-from kvservice.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from kvservice.core.block_pool import KVCacheEvent
+from kvservice.core.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from kvservice.engine.engine import RequestOutput
+from kvservice.loading.chat_template import ChatPrompt, Prompt
+from kvservice.runtime.finish_reason import finish_reason_to_proto
 from kvservice.v1 import kvservice_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16

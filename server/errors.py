@@ -6,12 +6,12 @@ import asyncio
 
 import grpc
 
-from kvservice.async_engine import EngineDeadError, QueueFull
 from kvservice.connector.transfer_registry import (
     StagingExhausted,
     TransferDenied,
     TransferNotFound,
 )
+from kvservice.engine.async_engine import EngineDeadError, QueueFull
 from kvservice.server.kv_events import PublisherClosed, SubscriberTooSlow
 
 

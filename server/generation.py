@@ -9,9 +9,9 @@ from typing import Any
 
 import grpc
 
-from kvservice.async_engine import AsyncLLMEngine
-from kvservice.chat_template import Prompt
-from kvservice.sampling_params import SamplingParams
+from kvservice.core.sampling_params import SamplingParams
+from kvservice.engine.async_engine import AsyncLLMEngine
+from kvservice.loading.chat_template import Prompt
 from kvservice.server.convert import response_from_output
 from kvservice.server.errors import RequestFailed, abort_with
 from kvservice.v1 import kvservice_pb2 as pb

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from kvservice.block_pool import KVCacheEvent
+from kvservice.core.block_pool import KVCacheEvent
 from kvservice.server.convert import kv_event_to_proto
 from kvservice.v1 import kvservice_pb2 as pb
 

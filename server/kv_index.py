@@ -2,7 +2,7 @@
 
 A snapshot batch replaces the picture; every other batch must carry the next number, or
 events were lost and the subscriber resubscribes for a snapshot. Batches also carry the
-worker's block size and hash seed: a prompt hashed with them (`kvservice.block_hash`)
+worker's block size and hash seed: a prompt hashed with them (`kvservice.core.block_hash`)
 matches the worker's keys exactly.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvservice.block_hash import block_hashes
+from kvservice.core.block_hash import block_hashes
 from kvservice.v1 import kvservice_pb2 as pb
 
 

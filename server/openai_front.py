@@ -34,8 +34,9 @@ from typing import Any
 from aiohttp import web
 
 import kvservice
-from kvservice.finish_reason import finish_reason_from_proto
-from kvservice.request import check_request_id
+from kvservice.core.request import check_request_id
+from kvservice.loading.tokenizer import Tokenizer
+from kvservice.runtime.finish_reason import finish_reason_from_proto
 from kvservice.server.auth import BearerToken
 from kvservice.server.generation import StreamingGenerationService, merge_into_complete, new_request_id
 from kvservice.server.openai_protocol import (
@@ -46,7 +47,6 @@ from kvservice.server.openai_protocol import (
     parse_completion_request,
     usage,
 )
-from kvservice.tokenizer import Tokenizer
 from kvservice.v1 import kvservice_pb2 as pb
 
 REQUEST_ID_HEADER = "X-Request-Id"

@@ -10,8 +10,8 @@ from typing import Any
 
 import grpc
 
-from kvservice.chat_template import validate_conversation
-from kvservice.sampling_params import MAX_STOP_TOKEN_IDS
+from kvservice.core.sampling_params import MAX_STOP_TOKEN_IDS
+from kvservice.loading.chat_template import validate_conversation
 from kvservice.server.errors import message_for, status_for
 from kvservice.v1 import kvservice_pb2 as pb
 

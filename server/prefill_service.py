@@ -13,20 +13,20 @@ from dataclasses import replace
 
 import grpc
 
-from kvservice.async_engine import AsyncLLMEngine
 from kvservice.connector.base import TRANSFER_TOKEN
 from kvservice.connector.transfer_registry import TransferRegistry
-from kvservice.finish_reason import finish_reason_to_proto
-from kvservice.outputs import KVTransferCounters
-from kvservice.request import check_request_id
-from kvservice.sampling_params import SamplingParams
+from kvservice.core.outputs import KVTransferCounters
+from kvservice.core.request import check_request_id
+from kvservice.core.sampling_params import SamplingParams
+from kvservice.engine.async_engine import AsyncLLMEngine
+from kvservice.engine.stop_checker import OutputText
+from kvservice.loading.tokenizer import Tokenizer
+from kvservice.runtime.finish_reason import finish_reason_to_proto
 from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
 from kvservice.server.errors import RequestFailed, ShuttingDown, abort_with
 from kvservice.server.kv_events import KVEventPublisher
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.worker_service import EngineWorkerService
-from kvservice.stop_checker import OutputText
-from kvservice.tokenizer import Tokenizer
 from kvservice.v1 import kvservice_pb2 as pb
 
 logger = logging.getLogger(__name__)

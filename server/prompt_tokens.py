@@ -1,6 +1,6 @@
 """The token ids of a request's prompt on the proxy, for routing by what workers cache.
 
-They must be exactly the ids the workers compute (`kvservice.chat_template.encode_prompt`,
+They must be exactly the ids the workers compute (`kvservice.loading.chat_template.encode_prompt`,
 with the workers' tokenizer, which `kvservice proxy --model` loads without the weights).
 Token-id prompts need nothing; text and chat without a tokenizer give None (the router
 then balances by load; logged once), and so does a prompt the workers would refuse: they
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 
-from kvservice.chat_template import encode_prompt
+from kvservice.loading.chat_template import encode_prompt
+from kvservice.loading.tokenizer import Tokenizer
 from kvservice.server.convert import prompt_from_proto
-from kvservice.tokenizer import Tokenizer
 from kvservice.v1 import kvservice_pb2 as pb
 
 logger = logging.getLogger(__name__)

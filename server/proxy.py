@@ -19,14 +19,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvservice.request import check_request_id
+from kvservice.core.request import check_request_id
+from kvservice.loading.tokenizer import Tokenizer
 from kvservice.server.convert import check_prompt_length, check_stop_token_ids_count
 from kvservice.server.generation import StreamingGenerationService, new_request_id
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.prompt_tokens import PromptTokens
 from kvservice.server.router import Router
 from kvservice.server.worker_pool import WorkerHandle, WorkerPool
-from kvservice.tokenizer import Tokenizer
 from kvservice.v1 import kvservice_pb2 as pb
 
 logger = logging.getLogger(__name__)

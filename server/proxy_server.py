@@ -11,9 +11,11 @@ import sys
 from aiohttp import web
 from grpc_health.v1 import health_pb2
 
-from kvservice.event_loop import run_event_loop
-from kvservice.model_loader import load_model_config, load_tokenizer, model_name
-from kvservice.routing_args import add_routing_arguments
+from kvservice.loading.model_loader import load_model_config, load_tokenizer, model_name
+from kvservice.loading.tokenizer import Tokenizer
+from kvservice.runtime.event_loop import run_event_loop
+from kvservice.runtime.routing_args import add_routing_arguments
+from kvservice.runtime.tls import TLSFiles, add_tls_arguments
 from kvservice.server.auth import BearerTokenInterceptor
 from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, add_log_level_argument, configure_logging
 from kvservice.server.kv_subscriber import KVEventSubscriptions
@@ -27,8 +29,6 @@ from kvservice.server.openai_front import OpenAIFront
 from kvservice.server.proxy import DEFAULT_REQUEST_TIMEOUT_S, ProxyService
 from kvservice.server.router import Router
 from kvservice.server.worker_pool import WorkerPool
-from kvservice.tls import TLSFiles, add_tls_arguments
-from kvservice.tokenizer import Tokenizer
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)

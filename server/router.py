@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvservice.routing_args import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_ROUTING, ROUTING_POLICIES
+from kvservice.runtime.routing_args import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_ROUTING, ROUTING_POLICIES
 from kvservice.server.errors import NoWorkerAvailable
 from kvservice.server.worker_pool import WorkerHandle, WorkerPool
 

@@ -6,8 +6,8 @@ agree with each other.
 
 from __future__ import annotations
 
-from kvservice.engine import LLMEngine
-from kvservice.outputs import KVTransferCounters
+from kvservice.core.outputs import KVTransferCounters
+from kvservice.engine.engine import LLMEngine
 from kvservice.v1 import kvservice_pb2 as pb
 
 

@@ -16,8 +16,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
+from kvservice.runtime.tls import bearer_metadata
 from kvservice.server.kv_index import KVBlockIndex
-from kvservice.tls import bearer_metadata
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)

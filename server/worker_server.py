@@ -20,8 +20,6 @@ import sys
 import grpc
 import torch
 
-from kvservice import engine_args
-from kvservice.async_engine import AsyncLLMEngine
 from kvservice.config import EngineConfig
 from kvservice.connector.base import KVConnectorBase
 from kvservice.connector.decode_connector import DecodeKVConnector
@@ -29,10 +27,13 @@ from kvservice.connector.kv_transfer_service import KVTransferService
 from kvservice.connector.prefill_connector import PrefillKVConnector
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import TransferRegistry
-from kvservice.engine import LLMEngine
-from kvservice.event_loop import run_event_loop
-from kvservice.kv_cache import KVCacheLayout
-from kvservice.model_loader import ModelLoadError, load_model_config, resolve_dtype
+from kvservice.engine.async_engine import AsyncLLMEngine
+from kvservice.engine.engine import LLMEngine
+from kvservice.loading.model_loader import ModelLoadError, load_model_config, resolve_dtype
+from kvservice.model.kv_cache import KVCacheLayout
+from kvservice.runtime import engine_args
+from kvservice.runtime.event_loop import run_event_loop
+from kvservice.runtime.tls import TLSFiles, add_tls_arguments, add_worker_peer_names_argument, check_worker_peer_names
 from kvservice.server.auth import BearerTokenInterceptor, PeerNameInterceptor
 from kvservice.server.colocated_service import ColocatedGenerationService
 from kvservice.server.decode_service import DecodeWorkerService
@@ -42,7 +43,6 @@ from kvservice.server.metrics import ServerMetrics, metrics_app, start_http
 from kvservice.server.openai_front import OpenAIFront
 from kvservice.server.prefill_service import PrefillWorkerService
 from kvservice.server.worker_service import EngineWorkerService
-from kvservice.tls import TLSFiles, add_tls_arguments, add_worker_peer_names_argument, check_worker_peer_names
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ ROLES = ("prefill", "decode", "both")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The worker's flags; the `EngineConfig` knobs come from `kvservice.engine_args` (shared with `launch`)."""
+    """The worker's flags; the `EngineConfig` knobs come from `kvservice.runtime.engine_args` (shared with `launch`)."""
     parser.add_argument("--model", default="tiny", help="'tiny' (built in, random weights), 'smollm2' (SmolLM2-135M-Instruct, installed by make setup), a Hugging Face model directory or a GGUF file (default: tiny)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     engine_args.add_engine_arguments(parser)

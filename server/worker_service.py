@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvservice.async_engine import AsyncLLMEngine
-from kvservice.outputs import KVTransferCounters
+from kvservice.core.outputs import KVTransferCounters
+from kvservice.engine.async_engine import AsyncLLMEngine
 from kvservice.server.errors import abort_with
 from kvservice.server.kv_events import KVEventPublisher
 from kvservice.server.stats import engine_stats, transfer_counters_to_proto

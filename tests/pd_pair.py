@@ -24,12 +24,12 @@ from kvservice.connector.kv_transfer_service import KVTransferService
 from kvservice.connector.prefill_connector import PrefillKVConnector
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import StagedTransfer, TransferRegistry
-from kvservice.engine import LLMEngine, RequestOutput
-from kvservice.kv_cache import KVCacheLayout
-from kvservice.kv_cache_manager import cdiv
-from kvservice.llm import LLM
-from kvservice.model_loader import TINY_CONFIG
-from kvservice.sampling_params import SamplingParams
+from kvservice.core.kv_cache_manager import cdiv
+from kvservice.core.sampling_params import SamplingParams
+from kvservice.engine.engine import LLMEngine, RequestOutput
+from kvservice.engine.llm import LLM
+from kvservice.loading.model_loader import TINY_CONFIG
+from kvservice.model.kv_cache import KVCacheLayout
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 64

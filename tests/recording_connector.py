@@ -10,14 +10,14 @@ from typing import Any
 import torch
 
 from kvservice.connector.base import KVConnectorBase
-from kvservice.kv_cache import KVCacheLayout
-from kvservice.outputs import (
+from kvservice.core.outputs import (
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorWorkerMeta,
     SchedulerOutput,
 )
-from kvservice.request import Request, RequestStatus
+from kvservice.core.request import Request, RequestStatus
+from kvservice.model.kv_cache import KVCacheLayout
 
 NUM_LAYERS = 4  # the tiny model's
 REMOTE = "remote"  # kv_transfer_params key: the prompt's KV comes from elsewhere

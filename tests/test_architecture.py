@@ -1,4 +1,4 @@
-"""The layout of DESIGN.md, checked on grimp's import graph of the installed package.
+"""The layout of DESIGN.md and the library's rooms, checked on grimp's import graph.
 
 `server/` and `client/` install as `kvservice.server` and `kvservice.client`; grimp reads
 a package from one directory, so the test assembles that package tree in a temporary
@@ -23,9 +23,30 @@ COMPOSITION_ROOT = "kvservice.cli"  # the one entry point: it imports every comm
 _GRAPH_SCRIPT = """
 import json
 import grimp
-graph = grimp.build_graph("kvservice")
-print(json.dumps({m: sorted(graph.find_modules_directly_imported_by(m)) for m in graph.modules}))
+graph = grimp.build_graph("kvservice", include_external_packages=True)
+print(json.dumps({m: sorted(graph.find_modules_directly_imported_by(m)) for m in graph.modules if m.startswith("kvservice")}))
 """
+
+# The library's rooms (subpackages, plus the shared top-level `config`) and the rooms each may
+# import. Lower rooms never import higher ones, so the package graph is a DAG:
+#   core <- model <- connector <- worker <- engine, with loading (-> model) beside the model
+#   and runtime (flags, TLS, process env) beside everything.
+ROOMS: dict[str, set[str]] = {
+    "config": set(),
+    "v1": set(),  # generated gRPC stubs
+    "core": set(),
+    "runtime": {"config", "v1"},
+    "model": {"config", "core"},
+    "loading": {"config", "model"},
+    "connector": {"config", "core", "model", "runtime", "v1"},
+    "worker": {"config", "core", "model", "connector"},
+    "engine": {"config", "core", "model", "worker", "loading", "connector"},
+}
+# What the worker and the engine may know of the connector room: the contract, never a transport.
+CONNECTOR_CONTRACT = {"kvservice.connector", "kvservice.connector.base", "kvservice.connector.lifecycle"}
+# Plain-Python bookkeeping (STYLE.md): fast to test, no tensors, no RPC.
+CORE_FORBIDDEN = ("torch", "numpy", "grpc", "google")
+MAX_MODULE_LINES = 400
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +62,20 @@ def graph(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
         cwd=tmp, env={"PYTHONPATH": str(tmp)}, capture_output=True, text=True, check=True,
     ).stdout
     return json.loads(out)
+
+
+def _library(graph: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The library's modules and the library modules each imports."""
+    return {m: [i for i in imports if _package_of(i) == "kvservice" and i.startswith("kvservice")]
+            for m, imports in graph.items() if _package_of(m) == "kvservice"}
+
+
+def _room_of(module: str) -> str | None:
+    """`kvservice.engine.scheduler` -> "engine"; None for the package's top-level files (cli, __init__)."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] in ("cli", "__main__"):
+        return None
+    return parts[1]
 
 
 def _package_of(module: str) -> str:
@@ -68,7 +103,7 @@ def test_the_library_imports_neither_server_nor_client(graph: dict[str, list[str
 
 def test_no_import_cycles_in_the_library(graph: dict[str, list[str]]) -> None:
     """`TYPE_CHECKING` imports count too: an annotation-only circle still ties two modules together."""
-    library = {m: [i for i in imports if _package_of(i) == "kvservice"] for m, imports in graph.items() if _package_of(m) == "kvservice"}
+    library = _library(graph)
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
@@ -90,5 +125,52 @@ def test_no_import_cycles_in_the_library(graph: dict[str, list[str]]) -> None:
 
 
 def test_the_scheduler_and_the_connector_contract_do_not_import_each_other(graph: dict[str, list[str]]) -> None:
-    assert "kvservice.scheduler" not in graph["kvservice.connector.base"]
-    assert "kvservice.connector.base" in graph["kvservice.scheduler"]  # the scheduler drives the connector
+    assert "kvservice.engine.scheduler" not in graph["kvservice.connector.base"]
+    assert "kvservice.connector.base" in graph["kvservice.engine.scheduler"]  # the scheduler drives the connector
+
+
+def test_every_library_module_lives_in_a_room(graph: dict[str, list[str]]) -> None:
+    """Only the entry points and the shared config sit on the library's top floor."""
+    top_floor = {path.name for path in (ROOT / "kvservice").glob("*.py")}
+    assert top_floor == {"__init__.py", "__main__.py", "cli.py", "config.py"}, top_floor
+    rooms = {_room_of(m) for m in _library(graph)} - {None}
+    assert rooms == set(ROOMS), rooms ^ set(ROOMS)
+
+
+def test_rooms_import_only_the_rooms_below_them(graph: dict[str, list[str]]) -> None:
+    """TYPE_CHECKING imports count: an annotation still ties one room to another."""
+    wrong = [
+        (module, imported) for module, imports in _library(graph).items() for imported in imports
+        if (room := _room_of(module)) is not None and (target := _room_of(imported)) not in (None, room)
+        and target not in ROOMS[room]
+    ]
+    assert not wrong, wrong
+
+
+def test_the_worker_and_engine_know_only_the_connector_contract(graph: dict[str, list[str]]) -> None:
+    implementations = [
+        (module, imported) for module, imports in _library(graph).items() for imported in imports
+        if _room_of(module) in ("worker", "engine") and _room_of(imported) == "connector" and imported not in CONNECTOR_CONTRACT
+    ]
+    assert not implementations, implementations
+    assert "kvservice.connector.base" in graph["kvservice.engine.engine"]  # the check above has something to check
+
+
+def test_the_model_knows_no_connector(graph: dict[str, list[str]]) -> None:
+    """The forward calls two per-layer hooks (`LayerKVHooks`); it imports nothing of the connector room."""
+    assert not [i for i in graph["kvservice.model.model"] if _room_of(i) == "connector"]
+
+
+def test_core_bookkeeping_imports_no_torch_and_no_grpc(graph: dict[str, list[str]]) -> None:
+    heavy = [(m, i) for m, imports in graph.items() if _room_of(m) == "core" for i in imports if i.split(".")[0] in CORE_FORBIDDEN]
+    assert not heavy, heavy
+    assert "torch" in graph["kvservice.model.model"]  # external imports are in the graph at all
+
+
+def test_no_module_over_400_lines() -> None:
+    """Past ~400 lines a module does two jobs (STYLE.md). The generated stubs are not ours."""
+    long = {
+        str(path.relative_to(ROOT)): n for folder in ("kvservice", "server", "client") for path in (ROOT / folder).rglob("*.py")
+        if "v1" not in path.relative_to(ROOT).parts and (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, long

@@ -13,13 +13,13 @@ import pytest
 import pytest_asyncio
 import torch
 
-from kvservice.async_engine import AsyncLLMEngine, EngineDeadError
 from kvservice.config import EngineConfig
 from kvservice.connector.decode_connector import REMOTE_ADDRESS, TRANSFER_TOKEN, DecodeKVConnector
-from kvservice.engine import LLMEngine
-from kvservice.kv_cache import KVCacheLayout
-from kvservice.model_loader import load_model_config
-from kvservice.sampling_params import SamplingParams
+from kvservice.core.sampling_params import SamplingParams
+from kvservice.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kvservice.engine.engine import LLMEngine
+from kvservice.loading.model_loader import load_model_config
+from kvservice.model.kv_cache import KVCacheLayout
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvservice.attention import AttentionMetadata, paged_attention
-from kvservice.cpu_kernels import load_cpu_kernels
-from kvservice.input_batch import BatchItem, build_batch
+from kvservice.model.attention import AttentionMetadata, paged_attention
+from kvservice.model.cpu_kernels import load_cpu_kernels
+from kvservice.worker.input_batch import BatchItem, build_batch
 
 BLOCK_SIZE = 16
 HEAD_DIM = 64
@@ -84,7 +84,7 @@ def test_paged_attention_kernel_and_fallback_agree(kernel, dtype: torch.dtype, m
     meta = build_batch(items, BLOCK_SIZE, torch.device("cpu")).attn
     k = v = torch.empty(0)  # decode reads only the cache
     fast = paged_attention(q, k, v, kv_layer, meta)
-    monkeypatch.setattr("kvservice.attention.kernels_loaded", lambda: False)
+    monkeypatch.setattr("kvservice.model.attention.kernels_loaded", lambda: False)
     slow = paged_attention(q, k, v, kv_layer, meta)
     assert not torch.equal(fast, torch.zeros_like(fast))
     tol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -22,7 +22,7 @@ from conftest import WORKER_RPCS, drain, local_cluster, worker_calls
 
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
-from kvservice.process_env import WORKER_ENV
+from kvservice.runtime.process_env import WORKER_ENV
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 

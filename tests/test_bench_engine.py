@@ -32,3 +32,14 @@ def test_bench_engine_reports_both_sides() -> None:
     assert row.batch_size == 2
     for side in (row.kvservice, row.transformers):
         assert side.prefill_tokens_per_s > 0 and side.decode_tokens_per_s > 0
+
+
+def test_random_smollm2_has_the_shape_the_loader_reads_from_the_gguf() -> None:
+    """The bench keeps SmolLM2's shape for machines without the GGUF; it must stay the real one."""
+    from kvservice.client.bench.engine import SMOLLM2_SHAPE, hf_config_arguments
+    from kvservice.loading.model_loader import SMOLLM2_MODEL, load_model_config
+
+    real = hf_config_arguments(load_model_config(SMOLLM2_MODEL))
+    assert real.keys() == SMOLLM2_SHAPE.keys()
+    assert {k: v for k, v in real.items() if k != "rms_norm_eps"} == {k: v for k, v in SMOLLM2_SHAPE.items() if k != "rms_norm_eps"}
+    assert real["rms_norm_eps"] == pytest.approx(SMOLLM2_SHAPE["rms_norm_eps"], rel=1e-6)  # stored as float32 in the GGUF

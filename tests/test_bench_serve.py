@@ -18,7 +18,7 @@ from conftest import local_cluster, parse_flags
 from kvservice.client.bench import serve as bench_serve
 from kvservice.client.bench.compare import format_compare_table, plan_cores
 from kvservice.client.bench.workload_args import DEFAULT_VOCAB_SIZE
-from kvservice.tokenizer import ByteTokenizer
+from kvservice.loading.tokenizer import ByteTokenizer
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _LATENCIES = ("ttft", "tpot", "itl", "e2el", "ttst")

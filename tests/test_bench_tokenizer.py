@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from kvservice.client.bench.tokenizer import is_local_tokenizer, load_tokenizer
-from kvservice.tokenizer import ByteTokenizer, HFTokenizer
+from kvservice.loading.tokenizer import ByteTokenizer, HFTokenizer
 
 
 def test_tiny_is_the_byte_tokenizer() -> None:

@@ -10,7 +10,7 @@ import torch
 
 from kvservice.client.bench import transfer
 from kvservice.client.bench.transfer_worker import FIRST_TOKEN_ID, Pulled, layer_checksums
-from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
+from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvservice.block_pool import BlockPool, KVCacheEvent
+from kvservice.core.block_pool import BlockPool, KVCacheEvent
 
 
 def test_allocate_takes_distinct_blocks_with_one_reference() -> None:

@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
-from kvservice.chat_template import (
+from kvservice.loading.chat_template import (
     ChatTemplateError,
     apply_chat_template,
     compile_chat_template,
     render_chat_template,
     validate_conversation,
 )
-from kvservice.tokenizer import TINY_CHAT_TEMPLATE, ByteTokenizer, HFTokenizer
+from kvservice.loading.tokenizer import TINY_CHAT_TEMPLATE, ByteTokenizer, HFTokenizer
 
 
 def smollm2_gguf() -> pathlib.Path:

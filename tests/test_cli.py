@@ -27,9 +27,9 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 KVSERVICE = str(pathlib.Path(sys.executable).with_name("kvservice"))
 
 # Subcommands as the user types them, with the one-line description each should print.
-SUBCOMMANDS = {name: spec[3] for name, spec in COMMANDS.items()}
+SUBCOMMANDS = {name: command.help for name, command in COMMANDS.items()}
 SUBCOMMANDS["bench"] = "benchmarks: " + ", ".join(BENCHMARKS)
-SUBCOMMANDS.update({f"bench {name}": spec[3] for name, spec in BENCHMARKS.items()})
+SUBCOMMANDS.update({f"bench {name}": command.help for name, command in BENCHMARKS.items()})
 
 
 def words(text: str) -> str:

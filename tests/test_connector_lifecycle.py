@@ -15,13 +15,13 @@ from kvservice.connector.lifecycle import (
     kv_connector_no_forward,
     maybe_get_kv_connector_output,
 )
-from kvservice.engine import LLMEngine, RequestOutput
-from kvservice.outputs import (
+from kvservice.core.outputs import (
     KVConnectorWorkerMeta,
     SchedulerOutput,
 )
-from kvservice.request import RequestStatus
-from kvservice.sampling_params import SamplingParams
+from kvservice.core.request import RequestStatus
+from kvservice.core.sampling_params import SamplingParams
+from kvservice.engine.engine import LLMEngine, RequestOutput
 
 CONFIG = EngineConfig(block_size=8, num_blocks=32, max_model_len=128)
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

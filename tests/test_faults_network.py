@@ -66,7 +66,7 @@ async def netns_deployment() -> AsyncIterator[tuple[object, Callable[..., object
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-    from kvservice.process_env import WORKER_ENV
+    from kvservice.runtime.process_env import WORKER_ENV
 
     pair = NetnsPair.create()
     processes: list[asyncio.subprocess.Process] = []

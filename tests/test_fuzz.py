@@ -27,8 +27,8 @@ from kvservice.connector.kv_transfer_service import (
     MAX_MESSAGE_BYTES,
     PULL_KV_METHOD,
 )
-from kvservice.kv_cache import KVCacheLayout
-from kvservice.model_loader import load_model_config, resolve_dtype
+from kvservice.loading.model_loader import load_model_config, resolve_dtype
+from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 

@@ -30,9 +30,9 @@ from gguf_models import (
 from hf_models import TOKENIZER_CORPUS, hf_greedy, random_prompts
 
 from kvservice import LLM, SamplingParams
-from kvservice.gguf_loader import open_gguf
-from kvservice.gguf_tokenizer import gguf_tokenizer
-from kvservice.model_loader import ModelLoadError, load_model, load_model_config
+from kvservice.loading.gguf_loader import open_gguf
+from kvservice.loading.gguf_tokenizer import gguf_tokenizer
+from kvservice.loading.model_loader import ModelLoadError, load_model, load_model_config
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

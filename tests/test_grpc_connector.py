@@ -20,9 +20,9 @@ from pd_pair import DECODE_PARAMS, LAYOUT, PREFILL_PARAMS, PROMPTS, WAIT, bits, 
 
 from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN
 from kvservice.connector.kv_puller import LoadSpec, pull_kv
-from kvservice.engine import RequestOutput
-from kvservice.kv_cache import allocate_kv_caches
-from kvservice.outputs import KVTransferCounters
+from kvservice.core.outputs import KVTransferCounters
+from kvservice.engine.engine import RequestOutput
+from kvservice.model.kv_cache import allocate_kv_caches
 
 pytestmark = pytest.mark.timeout(120)
 

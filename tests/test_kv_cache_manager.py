@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvservice.kv_cache_manager import KVCacheManager, cdiv
-from kvservice.request import Request
-from kvservice.sampling_params import SamplingParams
+from kvservice.core.kv_cache_manager import KVCacheManager, cdiv
+from kvservice.core.request import Request
+from kvservice.core.sampling_params import SamplingParams
 
 
 def make_request(request_id: str, num_prompt_tokens: int) -> Request:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvservice.block_pool import KVCacheEvent
+from kvservice.core.block_pool import KVCacheEvent
 from kvservice.server.kv_events import KVEventPublisher, PublisherClosed, SubscriberTooSlow
 from kvservice.v1 import kvservice_pb2 as pb
 

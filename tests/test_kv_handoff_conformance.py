@@ -36,9 +36,9 @@ from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS, KVTransferService
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import StagedTransfer
-from kvservice.engine import RequestOutput
-from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
-from kvservice.outputs import KVTransferCounters
+from kvservice.core.outputs import KVTransferCounters
+from kvservice.engine.engine import RequestOutput
+from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.v1 import kvservice_pb2 as pb
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]

@@ -17,11 +17,11 @@ from kvservice.connector import wire
 from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN
 from kvservice.connector.decode_connector import DecodeKVConnector
 from kvservice.connector.kv_puller import LoadSpec, pull_kv
-from kvservice.engine import LLMEngine
-from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
-from kvservice.kv_cache_manager import cdiv
-from kvservice.model_loader import TINY_CONFIG
-from kvservice.outputs import KVTransferCounters
+from kvservice.core.kv_cache_manager import cdiv
+from kvservice.core.outputs import KVTransferCounters
+from kvservice.engine.engine import LLMEngine
+from kvservice.loading.model_loader import TINY_CONFIG
+from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.v1 import kvservice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
@@ -198,7 +198,7 @@ async def test_a_dead_peer_holds_up_neither_other_peers_nor_its_own_deadlines() 
     """One pull slot per peer, all held by a black-holed prefill worker: a pull from a
     healthy one starts at once, and a second pull from the dead one ends at its own
     deadline, counted from its start (the wait for the slot included)."""
-    from kvservice.async_engine import AsyncLLMEngine  # the engine thread drives the loads
+    from kvservice.engine.async_engine import AsyncLLMEngine  # the engine thread drives the loads
 
     timeout = 3.0
     dead, healthy = _Peer(is_black_hole=True), _Peer(is_black_hole=False)

@@ -14,9 +14,9 @@ import grpc
 import pytest
 from conftest import all_worker_stats, local_cluster, tiny_greedy, wait_for, wait_for_stats, worker_stats
 
-from kvservice.block_hash import block_hashes
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
+from kvservice.core.block_hash import block_hashes
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 

@@ -13,10 +13,10 @@ import pytest
 import pytest_asyncio
 from conftest import wait_for
 
-from kvservice.async_engine import AsyncLLMEngine
 from kvservice.config import EngineConfig
-from kvservice.engine import LLMEngine
-from kvservice.sampling_params import SamplingParams
+from kvservice.core.sampling_params import SamplingParams
+from kvservice.engine.async_engine import AsyncLLMEngine
+from kvservice.engine.engine import LLMEngine
 from kvservice.server.kv_events import KVEventPublisher
 from kvservice.server.kv_subscriber import KVEventSubscriptions
 from kvservice.server.worker_pool import WorkerHandle, WorkerPool

@@ -17,9 +17,9 @@ from conftest import kill_all
 
 from kvservice.client import launch
 from kvservice.client.client import KVServiceClient
-from kvservice.engine_args import engine_config
-from kvservice.kv_cache import KVCacheLayout
-from kvservice.model_loader import load_model_config
+from kvservice.loading.model_loader import load_model_config
+from kvservice.model.kv_cache import KVCacheLayout
+from kvservice.runtime.engine_args import engine_config
 from kvservice.server import proxy_server, worker_server
 
 KVSERVICE = str(pathlib.Path(sys.executable).with_name("kvservice"))

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvservice.process_env import WORKER_ENV
+from kvservice.runtime.process_env import WORKER_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(180)]
 

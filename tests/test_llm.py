@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 
 from kvservice import LLM, SamplingParams
-from kvservice.chat_template import apply_chat_template, render_chat_template
-from kvservice.engine import RequestOutput
-from kvservice.tokenizer import ByteTokenizer
+from kvservice.engine.engine import RequestOutput
+from kvservice.loading.chat_template import apply_chat_template, render_chat_template
+from kvservice.loading.tokenizer import ByteTokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 CONVERSATION = [

@@ -15,9 +15,9 @@ from hf_models import hf_greedy, random_prompts, save_random_model
 from tokenizers import Tokenizer as HFTokenizerLib
 
 from kvservice import LLM, SamplingParams
-from kvservice.outputs import SchedulerOutput
-from kvservice.request import Request
-from kvservice.scheduler import Scheduler
+from kvservice.core.outputs import SchedulerOutput
+from kvservice.core.request import Request
+from kvservice.engine.scheduler import Scheduler
 
 PROMPT_LENGTHS = (1, 5, 15, 16, 17, 31, 33, 50, 64, 70)
 MAX_TOKENS = 20

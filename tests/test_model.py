@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvservice import model as model_module
-from kvservice.attention import AttentionMetadata, PrefillSpan
-from kvservice.cpu_kernels import load_cpu_kernels
-from kvservice.model import CausalLM, Linear, RMSNorm, RotaryEmbedding
-from kvservice.model_loader import TINY_CONFIG, load_model
+from kvservice.loading.model_loader import TINY_CONFIG, load_model
+from kvservice.model import model as model_module
+from kvservice.model.attention import AttentionMetadata, PrefillSpan
+from kvservice.model.cpu_kernels import load_cpu_kernels
+from kvservice.model.model import CausalLM, Linear, RMSNorm, RotaryEmbedding
 
 
 def _logits(net: CausalLM, num_tokens: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from hf_models import random_prompts, save_random_model
 from safetensors.torch import load_file, save_file
 
 from kvservice import LLM, SamplingParams
-from kvservice.model_loader import (
+from kvservice.loading.model_loader import (
     TINY_CONFIG,
     ModelLoadError,
     load_model,

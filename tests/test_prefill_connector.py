@@ -6,11 +6,11 @@ import zlib
 
 import torch
 
-from kvservice.attention import AttentionMetadata
 from kvservice.connector.prefill_connector import PrefillConnectorMetadata, PrefillKVConnector, SaveSpec
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import TransferRegistry
-from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
+from kvservice.model.attention import AttentionMetadata
+from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
 
 LAYOUT = KVCacheLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 

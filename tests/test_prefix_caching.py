@@ -20,14 +20,14 @@ from hf_models import hf_greedy, random_prompts
 from pd_pair import BLOCK_SIZE, LAYOUT, PREFILL_PARAMS, WAIT, bits, drive_decode, drive_prefill, make_prompt, pd_pair, prompt_blocks
 
 from kvservice import LLM, SamplingParams
-from kvservice.block_hash import block_hashes, hash_seed
 from kvservice.connector.base import TRANSFER_TOKEN
 from kvservice.connector.kv_puller import LoadSpec, pull_kv
-from kvservice.engine import LLMEngine
-from kvservice.kv_cache import allocate_kv_caches
-from kvservice.kv_cache_manager import KVCacheManager
-from kvservice.outputs import KVTransferCounters
-from kvservice.request import Request
+from kvservice.core.block_hash import block_hashes, hash_seed
+from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.core.outputs import KVTransferCounters
+from kvservice.core.request import Request
+from kvservice.engine.engine import LLMEngine
+from kvservice.model.kv_cache import allocate_kv_caches
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvservice import LLM, SamplingParams
-from kvservice.block_hash import block_hashes
-from kvservice.chat_template import ChatPrompt
-from kvservice.model_loader import load_tokenizer
+from kvservice.core.block_hash import block_hashes
+from kvservice.loading.chat_template import ChatPrompt
+from kvservice.loading.model_loader import load_tokenizer
 from kvservice.server.prompt_tokens import PromptTokens
 from kvservice.v1 import kvservice_pb2 as pb
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from kvservice.block_hash import block_hashes
+from kvservice.core.block_hash import block_hashes
 from kvservice.server.errors import NoWorkerAvailable
 from kvservice.server.router import DECODE_LOAD_TOKENS, Router
 from kvservice.server.worker_pool import WorkerHandle, WorkerPool

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvservice import LLM, SamplingParams
-from kvservice.sampler import apply_top_k_top_p
+from kvservice.worker.sampler import apply_top_k_top_p
 
 PROMPT = [256, *b"The cache"]
 OTHER_PROMPTS = [[256, *b"hello"], [256, *b"a much longer prompt that needs more than one block"], [256, 7]]

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvservice.kv_cache_manager import KVCacheManager, cdiv
-from kvservice.outputs import EngineCoreOutput, SchedulerOutput
-from kvservice.request import Request, RequestStatus
-from kvservice.sampling_params import SamplingParams
-from kvservice.scheduler import Scheduler
+from kvservice.core.kv_cache_manager import KVCacheManager, cdiv
+from kvservice.core.outputs import EngineCoreOutput, SchedulerOutput
+from kvservice.core.request import Request, RequestStatus
+from kvservice.core.sampling_params import SamplingParams
+from kvservice.engine.scheduler import Scheduler
 
 EOS = 2
 

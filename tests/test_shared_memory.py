@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvservice.attention import AttentionMetadata
 from kvservice.connector import shared_memory, wire
 from kvservice.connector.kv_puller import LoadSpec, pull_kv
 from kvservice.connector.kv_transfer_service import FAULT_CORRUPT_CHUNK_EVERY, KVTransferService
@@ -22,8 +21,9 @@ from kvservice.connector.prefill_connector import PrefillConnectorMetadata, Pref
 from kvservice.connector.shared_memory import CONTROL_BYTES, RingWriter, SharedMemoryUnavailable, SharedSegment
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import TransferRegistry
-from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
-from kvservice.outputs import KVTransferCounters
+from kvservice.core.outputs import KVTransferCounters
+from kvservice.model.attention import AttentionMetadata
+from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.v1 import kvservice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)

@@ -12,10 +12,10 @@ import torch
 from hf_models import TOKENIZER_CORPUS
 
 from kvservice import LLM, SamplingParams
-from kvservice import model as model_module
-from kvservice.attention import AttentionMetadata, PrefillSpan
-from kvservice.model import MAX_BLOCK_QUANT_ROWS, CausalLM, Linear
-from kvservice.model_loader import ModelLoadError, load_model, load_model_config
+from kvservice.loading.model_loader import ModelLoadError, load_model, load_model_config
+from kvservice.model import model as model_module
+from kvservice.model.attention import AttentionMetadata, PrefillSpan
+from kvservice.model.model import MAX_BLOCK_QUANT_ROWS, CausalLM, Linear
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -13,7 +13,7 @@ import pytest_asyncio
 from conftest import local_cluster
 
 from kvservice import LLM, SamplingParams
-from kvservice.chat_template import apply_chat_template
+from kvservice.loading.chat_template import apply_chat_template
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

@@ -15,8 +15,8 @@ from test_connector_lifecycle import RecordingConnector
 
 from kvservice import LLM, SamplingParams
 from kvservice.config import EngineConfig
-from kvservice.engine import LLMEngine
-from kvservice.rejection_sampler import verify_draft_tokens
+from kvservice.engine.engine import LLMEngine
+from kvservice.worker.rejection_sampler import verify_draft_tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 ENGINE = dict(num_blocks=48, max_num_batched_tokens=48, max_num_seqs=4, dtype="float32")

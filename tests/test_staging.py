@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvservice.connector.staging import StagingBuffer, StagingPool
-from kvservice.kv_cache_manager import cdiv
+from kvservice.core.kv_cache_manager import cdiv
 
 ALIGN = 256  # reservations are rounded up to this many bytes
 

@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvservice.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
-from kvservice.stop_checker import OutputText, StopStringChecker
-from kvservice.tokenizer import ByteTokenizer
+from kvservice.core.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from kvservice.engine.stop_checker import OutputText, StopStringChecker
+from kvservice.loading.tokenizer import ByteTokenizer
 
 
 def push_all(checker: StopStringChecker, pieces: list[str]) -> list[str]:

@@ -7,7 +7,7 @@ from hf_models import TOKENIZER_SENTENCES, save_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvservice.tokenizer import (
+from kvservice.loading.tokenizer import (
     TINY_CHAT_TEMPLATE,
     ByteTokenizer,
     HFTokenizer,

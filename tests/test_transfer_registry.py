@@ -23,7 +23,7 @@ from kvservice.connector.transfer_registry import (
     TransferRegistry,
     TransferState,
 )
-from kvservice.kv_cache import KVCacheLayout
+from kvservice.model.kv_cache import KVCacheLayout
 
 # 2 layers x [2, 4, 1, 8] float32 = 256 bytes per block per layer, 512 per block.
 LAYOUT = KVCacheLayout(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvservice.connector import wire
 from kvservice.connector.wire import KVChunkError
-from kvservice.kv_cache import KVCacheLayout
+from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.v1 import kvservice_pb2 as pb
 
 LAYOUT = KVCacheLayout(num_layers=4, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvservice.client.client import KVServiceClient
-from kvservice.process_env import WORKER_ENV
+from kvservice.runtime.process_env import WORKER_ENV
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 # is injected in the child process only, the server code runs unchanged.
 FAULTY_WORKER = """
 import sys
-from kvservice.engine import LLMEngine
+from kvservice.engine.engine import LLMEngine
 step = LLMEngine.step
 def failing_step(self):
     if "boom" in self.scheduler.requests:

@@ -24,7 +24,7 @@ from kvservice.client.bench.record import record_grpc_request
 from kvservice.client.bench.server_stats import ServerCounters
 from kvservice.client.bench.workload import SampledRequest
 from kvservice.client.client import KVServiceClient
-from kvservice.tls import TLSFiles, add_tls_arguments
+from kvservice.runtime.tls import TLSFiles, add_tls_arguments
 
 GRPC = "grpc"
 OPENAI_API_KEY_ENV = "OPENAI_API_KEY"

@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvservice.config import EngineConfig, ModelConfig
-from kvservice.engine import LLMEngine
-from kvservice.model import CausalLM
-from kvservice.sampling_params import SamplingParams
+from kvservice.core.sampling_params import SamplingParams
+from kvservice.engine.engine import LLMEngine
+from kvservice.model.model import CausalLM
 
 BENCH_MODEL = dict(
     vocab_size=32000,
@@ -33,7 +33,9 @@ BENCH_MODEL = dict(
     initializer_range=0.2,
     tie_word_embeddings=False,
 )
-# SmolLM2-135M's shape (the `smollm2` preset's), with random weights.
+# SmolLM2-135M's shape (the `smollm2` preset's), for random weights where its GGUF is not
+# installed (the device machine). The loader reads the shape from the GGUF; a test holds this
+# copy equal to `hf_config_arguments(load_model_config("smollm2"))`.
 SMOLLM2_SHAPE = dict(
     vocab_size=49152,
     hidden_size=576,
@@ -41,14 +43,34 @@ SMOLLM2_SHAPE = dict(
     num_hidden_layers=30,
     num_attention_heads=9,
     num_key_value_heads=3,
+    head_dim=64,
     max_position_embeddings=8192,
     rms_norm_eps=1e-5,
     rope_theta=100000.0,
-    initializer_range=0.2,
+    rope_scaling=None,
     tie_word_embeddings=True,
+    attention_bias=False,
 )
-RANDOM_SHAPES: dict[str, dict] = {"random-smollm2": SMOLLM2_SHAPE, "random-small": BENCH_MODEL}
+RANDOM_SHAPES: dict[str, dict] = {"random-smollm2": {**SMOLLM2_SHAPE, "initializer_range": 0.2}, "random-small": BENCH_MODEL}
 
+
+def hf_config_arguments(cfg: ModelConfig) -> dict:
+    """transformers' config arguments for a model of `cfg`'s shape (Llama, Qwen2 or Mistral)."""
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        **({"attention_bias": cfg.attention_bias} if cfg.architecture == "llama" else {}),
+    )
 
 @dataclass(slots=True)
 class Throughput:
@@ -85,21 +107,7 @@ def reference_model(model: CausalLM, dtype: torch.dtype) -> torch.nn.Module:
 
     cfg: ModelConfig = model.config
     names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[cfg.architecture]
-    hf_config = getattr(transformers, f"{names}Config")(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta,
-        rope_scaling=cfg.rope_scaling,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        **({"attention_bias": cfg.attention_bias} if cfg.architecture == "llama" else {}),
-    )
+    hf_config = getattr(transformers, f"{names}Config")(**hf_config_arguments(cfg))
     hf = getattr(transformers, f"{names}ForCausalLM")(hf_config)
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     state: dict[str, torch.Tensor] = {}

@@ -26,10 +26,10 @@ from kvservice.connector.base import TRANSFER_TOKEN
 from kvservice.connector.prefill_connector import PrefillKVConnector
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import TransferRegistry
-from kvservice.engine import LLMEngine
-from kvservice.kv_cache import KVCacheLayout
-from kvservice.model_loader import load_model_config
-from kvservice.sampling_params import SamplingParams
+from kvservice.core.sampling_params import SamplingParams
+from kvservice.engine.engine import LLMEngine
+from kvservice.loading.model_loader import load_model_config
+from kvservice.model.kv_cache import KVCacheLayout
 
 LATE_LAYER_SCALE = 0.02
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvservice import model_loader
-from kvservice.tokenizer import HFTokenizer, Tokenizer
+from kvservice.loading import model_loader
+from kvservice.loading.tokenizer import HFTokenizer, Tokenizer
 
 
 def is_local_tokenizer(name: str) -> bool:

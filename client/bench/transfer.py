@@ -53,8 +53,8 @@ from kvservice.client.bench.transfer_worker import (
     expect,
     prefill_process,
 )
-from kvservice.kv_cache import KVCacheLayout
-from kvservice.process_env import WORKER_ENV
+from kvservice.model.kv_cache import KVCacheLayout
+from kvservice.runtime.process_env import WORKER_ENV
 
 # 8B-like (Llama 3 8B): 32 layers, 8 KV heads of 128, bfloat16, 16-token blocks. 128 KiB a token.
 BENCH_LAYOUT = KVCacheLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)

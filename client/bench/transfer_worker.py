@@ -25,7 +25,7 @@ import torch
 
 from kvservice.client.bench.tcp_baseline import peak_rss_bytes
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
-from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
+from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 FIRST_TOKEN_ID = 42  # what the prefill side completes each transfer with; the pull must return it
@@ -180,7 +180,6 @@ def prefill_process(conn: Connection, setup: BenchSetup) -> None:
 async def _serve_prefill(conn: Connection, setup: BenchSetup) -> None:
     import grpc
 
-    from kvservice.attention import AttentionMetadata
     from kvservice.connector.kv_transfer_service import KVTransferService
     from kvservice.connector.prefill_connector import (
         PrefillConnectorMetadata,
@@ -189,6 +188,7 @@ async def _serve_prefill(conn: Connection, setup: BenchSetup) -> None:
     )
     from kvservice.connector.staging import StagingPool
     from kvservice.connector.transfer_registry import TransferRegistry
+    from kvservice.model.attention import AttentionMetadata
 
     idle_rss = _rss_bytes()
     layout = setup.layout
@@ -254,7 +254,7 @@ async def _serve_decode(conn: Connection, setup: BenchSetup, address: str) -> No
     import grpc
 
     from kvservice.connector.kv_puller import LoadSpec, pull_kv
-    from kvservice.outputs import KVTransferCounters
+    from kvservice.core.outputs import KVTransferCounters
 
     idle_rss = _rss_bytes()
     layout = setup.layout

@@ -32,7 +32,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Any
 
-from kvservice.outputs import (
+from kvservice.core.outputs import (
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorStats,
@@ -47,10 +47,10 @@ REMOTE_ADDRESS = "remote_address"  # decode side: the prefill worker that holds 
 if TYPE_CHECKING:
     import torch
 
-    from kvservice.attention import AttentionMetadata
-    from kvservice.block_pool import KVCacheEvent
-    from kvservice.kv_cache import KVCacheLayout
-    from kvservice.request import Request
+    from kvservice.core.block_pool import KVCacheEvent
+    from kvservice.core.request import Request
+    from kvservice.model.attention import AttentionMetadata
+    from kvservice.model.kv_cache import KVCacheLayout
 
 
 class KVConnectorBase(abc.ABC):

@@ -31,16 +31,16 @@ from kvservice.connector.channel_cache import ChannelCache
 from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
 from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
 from kvservice.connector.shared_memory import sweep_orphaned_segments
-from kvservice.kv_cache import KVCacheLayout
-from kvservice.outputs import (
+from kvservice.core.outputs import (
     KVConnectorMetadata,
     KVConnectorStats,
     KVConnectorWorkerMeta,
     KVTransferCounters,
     SchedulerOutput,
 )
-from kvservice.request import Request, RequestStatus
-from kvservice.tls import bearer_metadata
+from kvservice.core.request import Request, RequestStatus
+from kvservice.model.kv_cache import KVCacheLayout
+from kvservice.runtime.tls import bearer_metadata
 
 # Channels to distinct prefill workers kept open at once (idle ones past it are closed).
 MAX_CHANNELS = 64

@@ -19,8 +19,8 @@ import torch
 from kvservice.connector import wire
 from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
 from kvservice.connector.shared_memory import SharedSegment
-from kvservice.kv_cache import KVCacheLayout
-from kvservice.outputs import KVTransferCounters
+from kvservice.core.outputs import KVTransferCounters
+from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.v1 import kvservice_pb2 as pb
 
 logger = logging.getLogger(__name__)

@@ -27,9 +27,9 @@ from kvservice.connector.transfer_registry import (
     TransferRegistry,
     TransferState,
 )
-from kvservice.kv_cache import KVCacheLayout
-from kvservice.outputs import KVTransferCounters
-from kvservice.request import check_request_id
+from kvservice.core.outputs import KVTransferCounters
+from kvservice.core.request import check_request_id
+from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.v1 import kvservice_pb2 as pb
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvservice.connector.base import KVConnectorBase
-from kvservice.outputs import KVConnectorOutput, SchedulerOutput
+from kvservice.core.outputs import KVConnectorOutput, SchedulerOutput
 
 
 @contextlib.contextmanager

@@ -22,7 +22,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from kvservice.attention import AttentionMetadata
 from kvservice.connector import wire
 from kvservice.connector.base import TRANSFER_TOKEN, KVConnectorBase
 from kvservice.connector.transfer_registry import (
@@ -30,15 +29,16 @@ from kvservice.connector.transfer_registry import (
     StagedTransfer,
     TransferRegistry,
 )
-from kvservice.kv_cache import KVCacheLayout
-from kvservice.kv_cache_manager import cdiv
-from kvservice.outputs import (
+from kvservice.core.kv_cache_manager import cdiv
+from kvservice.core.outputs import (
     KVConnectorMetadata,
     KVConnectorStats,
     SchedulerOutput,
     StagingStats,
 )
-from kvservice.request import Request, RequestStatus
+from kvservice.core.request import Request, RequestStatus
+from kvservice.model.attention import AttentionMetadata
+from kvservice.model.kv_cache import KVCacheLayout
 
 DEFAULT_CHUNK_BYTES = 2 << 20  # 2-4 MiB messages stream fastest over gRPC
 

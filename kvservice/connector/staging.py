@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvservice.kv_cache_manager import cdiv
+from kvservice.core.kv_cache_manager import cdiv
 
 _ALIGN = 256
 

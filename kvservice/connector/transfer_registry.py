@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvservice.connector.staging import StagingBuffer, StagingPool
-from kvservice.kv_cache import KVCacheLayout
+from kvservice.model.kv_cache import KVCacheLayout
 
 # Refusals remembered at once (each for a lease); past this the oldest are forgotten, so a
 # flood of refusals costs bounded memory (request ids are at most 256 bytes).

@@ -17,17 +17,20 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 try:  # same CRC-32 as zlib.crc32, ~10x faster (SIMD); optional
     from zlib_ng.zlib_ng import crc32 as _crc32
 except ImportError:
     from zlib import crc32 as _crc32
 
-from kvservice.kv_cache import KVCacheLayout
+from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.v1 import kvservice_pb2 as pb
+
+_Message = TypeVar("_Message", bound=Message)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -139,10 +142,8 @@ def encode_chunk(
         shared_memory_position=shared_memory_position or 0,
     ).SerializeToString()
     if num_bytes == 0 or in_shared_memory:  # proto3 omits an empty bytes field: keep byte-identical to protobuf
-        return b"".join((_TAG_HEADER, _varint(len(header)), header))
-    return b"".join(
-        (_TAG_HEADER, _varint(len(header)), header, _TAG_PAYLOAD, _varint(num_bytes), payload)
-    )
+        return b"".join(_field(_TAG_HEADER, header))
+    return b"".join((*_field(_TAG_HEADER, header), *_field(_TAG_PAYLOAD, payload, num_bytes)))
 
 
 def encode_done(
@@ -161,7 +162,12 @@ def encode_done(
         num_bytes=num_bytes,
         num_tokens=num_tokens,
     ).SerializeToString()
-    return b"".join((_TAG_DONE, _varint(len(done)), done))
+    return b"".join(_field(_TAG_DONE, done))
+
+
+def _field(tag: bytes, value: bytes | memoryview, num_bytes: int | None = None) -> tuple[bytes, bytes, bytes | memoryview]:
+    """A length-delimited field's three parts: tag, length, value (joined once by the caller)."""
+    return tag, _varint(len(value) if num_bytes is None else num_bytes), value
 
 
 # ---------------------------------------------------------------- decoding
@@ -233,17 +239,19 @@ def decode_frame(frame: bytes | memoryview) -> DecodedFrame:
     if (1 in parts) == (3 in parts):
         raise KVChunkError("frame: needs exactly one of header and done")
     if 1 in parts:
-        try:
-            return DecodedFrame(pb.KVChunkHeader.FromString(parts[1]), None, payload)
-        except DecodeError as exc:
-            raise KVChunkError(f"frame: unparseable header: {exc}") from None
-    try:
-        done = pb.KVTransferDone.FromString(parts[3])
-    except DecodeError as exc:
-        raise KVChunkError(f"frame: unparseable done: {exc}") from None
+        return DecodedFrame(_parse(pb.KVChunkHeader, parts[1], "header"), None, payload)
+    done = _parse(pb.KVTransferDone, parts[3], "done")
     if payload.nbytes:
         raise KVChunkError("frame: done carries a payload")
     return DecodedFrame(None, done, payload)
+
+
+def _parse(message_type: type[_Message], data: memoryview, name: str) -> _Message:
+    """One embedded message of a frame; protobuf's DecodeError becomes a KVChunkError naming it."""
+    try:
+        return message_type.FromString(data)
+    except DecodeError as exc:
+        raise KVChunkError(f"frame: unparseable {name}: {exc}") from None
 
 
 # ---------------------------------------------------------------- validation

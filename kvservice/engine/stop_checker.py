@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvservice.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvservice.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class StopStringChecker:

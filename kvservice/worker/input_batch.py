@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvservice.attention import AttentionMetadata, PrefillSpan
-from kvservice.kv_cache_manager import cdiv
+from kvservice.core.kv_cache_manager import cdiv
+from kvservice.model.attention import AttentionMetadata, PrefillSpan
 
 # Requests with at most this many new tokens may join the batched decode group.
 _MAX_DECODE_GROUP_QUERIES = 8

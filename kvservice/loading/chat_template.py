@@ -27,7 +27,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
-from kvservice.tokenizer import Tokenizer
+from kvservice.loading.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """The pool of fixed-size KV cache blocks: free queues, reference counts, the prefix cache. No torch.
 
 Automatic prefix caching lives here. A full block whose KV is computed gets a hash
-(chained over its tokens, `kvservice.block_hash`) and stays findable by it, in use or
+(chained over its tokens, `kvservice.core.block_hash`) and stays findable by it, in use or
 not: requests that share a prefix share its blocks through reference counts. A cached
 block whose count drops to zero keeps its KV and waits in an LRU queue; it is evicted
 (its hash forgotten) only when no never-cached free block is left, least recently

@@ -18,14 +18,14 @@ from kvservice.connector.lifecycle import (
     kv_connector_no_forward,
     maybe_get_kv_connector_output,
 )
-from kvservice.cpu_kernels import load_cpu_kernels
-from kvservice.draft_proposer import DraftProposer
-from kvservice.input_batch import BatchItem, InputBatch, build_batch
-from kvservice.kv_cache import KVCacheLayout
-from kvservice.model import CausalLM
-from kvservice.outputs import KVConnectorOutput, ScheduledRequest, SchedulerOutput
-from kvservice.rejection_sampler import verify_draft_tokens
-from kvservice.sampler import Sampler
+from kvservice.core.outputs import KVConnectorOutput, ScheduledRequest, SchedulerOutput
+from kvservice.model.cpu_kernels import load_cpu_kernels
+from kvservice.model.kv_cache import KVCacheLayout
+from kvservice.model.model import CausalLM
+from kvservice.worker.draft_proposer import DraftProposer
+from kvservice.worker.input_batch import BatchItem, InputBatch, build_batch
+from kvservice.worker.rejection_sampler import verify_draft_tokens
+from kvservice.worker.sampler import Sampler
 
 
 @dataclass(slots=True)

@@ -22,8 +22,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvservice.config import ModelLoadError
-from kvservice.gguf_loader import GGUFFile
-from kvservice.tokenizer import HFTokenizer, TokenizerConfig
+from kvservice.loading.gguf_loader import GGUFFile
+from kvservice.loading.tokenizer import HFTokenizer, TokenizerConfig
 
 SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 

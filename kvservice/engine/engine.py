@@ -9,22 +9,22 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvservice.block_hash import hash_seed
-from kvservice.block_pool import KVCacheEvent
-from kvservice.chat_template import Prompt, encode_prompt
 from kvservice.config import EngineConfig, ModelConfig
 from kvservice.connector.base import KVConnectorBase
-from kvservice.draft_proposer import DraftProposer
-from kvservice.kv_cache import KVCacheLayout, allocate_kv_caches
-from kvservice.kv_cache_manager import KVCacheManager
-from kvservice.model_loader import LoadedModel, load_model, load_model_config
-from kvservice.model_runner import ModelRunner
-from kvservice.outputs import EngineCoreOutput
-from kvservice.request import Request, RequestStatus, check_request_id
-from kvservice.sampling_params import SamplingParams
-from kvservice.scheduler import Scheduler
-from kvservice.stop_checker import OutputText
-from kvservice.tokenizer import Tokenizer
+from kvservice.core.block_hash import hash_seed
+from kvservice.core.block_pool import KVCacheEvent
+from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.core.outputs import EngineCoreOutput
+from kvservice.core.request import Request, RequestStatus, check_request_id
+from kvservice.core.sampling_params import SamplingParams
+from kvservice.engine.scheduler import Scheduler
+from kvservice.engine.stop_checker import OutputText
+from kvservice.loading.chat_template import Prompt, encode_prompt
+from kvservice.loading.model_loader import LoadedModel, load_model, load_model_config
+from kvservice.loading.tokenizer import Tokenizer
+from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
+from kvservice.worker.draft_proposer import DraftProposer
+from kvservice.worker.model_runner import ModelRunner
 
 
 @dataclass(slots=True)

@@ -4,29 +4,36 @@ Module names mirror Hugging Face's, except that q/k/v and gate/up are fused into
 matmul each (`fuse_checkpoint_weights` maps a checkpoint's state dict onto them).
 The forward takes a flat batch of tokens ([T]) from many requests; attention reads
 and writes the paged cache through `AttentionMetadata`. On CPU, when the C++ kernels
-are loaded (`kvservice.cpu_kernels`), the residual add + RMSNorm and the rotary
+are loaded (`kvservice.model.cpu_kernels`), the residual add + RMSNorm and the rotary
 embedding run as one call each, and a GGUF model's matmuls of a few rows read its
-block-quantized weights (`kvservice.block_quant`); the PyTorch formulas here are the fallback.
-A KV connector, when given, is called around each layer: `wait_for_layer_load`
-before, `save_kv_layer` after.
+block-quantized weights (`kvservice.model.block_quant`); the PyTorch formulas here are the fallback.
+A KV connector, when given, is called around each layer through `LayerKVHooks`:
+`wait_for_layer_load` before, `save_kv_layer` after.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from kvservice.attention import AttentionMetadata, paged_attention, write_kv
-from kvservice.block_quant import BlockQuantWeight
 from kvservice.config import ModelConfig
-from kvservice.cpu_kernels import kernels_loaded
+from kvservice.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvservice.model.block_quant import BlockQuantWeight
+from kvservice.model.cpu_kernels import kernels_loaded
 
-if TYPE_CHECKING:
-    from kvservice.connector.base import KVConnectorBase
+
+class LayerKVHooks(Protocol):
+    """What the forward needs of a KV connector: its two per-layer hooks, no more.
+
+    `KVConnectorBase` satisfies it; the model knows nothing else of connectors."""
+
+    def wait_for_layer_load(self, layer: int) -> None: ...
+
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata) -> None: ...
 
 # Rows up to which the block-quantized kernel beats float32 matmuls here (decode, and
 # verifying drafts); prefill chunks take oneDNN's float32 GEMM.
@@ -71,7 +78,7 @@ class Linear(nn.Linear):
     compute_bias: torch.Tensor | None = None
     is_packed: bool = False
     # The same weight in GGUF's block quantization, for inputs of at most
-    # `MAX_BLOCK_QUANT_ROWS` rows when the C++ kernels are loaded (see `kvservice.block_quant`).
+    # `MAX_BLOCK_QUANT_ROWS` rows when the C++ kernels are loaded (see `kvservice.model.block_quant`).
     block_quant: BlockQuantWeight | None = None
 
     def prepare(self, widen: bool, pack: bool, batch_hint: int) -> None:
@@ -284,7 +291,7 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
-        connector: KVConnectorBase | None = None,
+        connector: LayerKVHooks | None = None,
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # the residual stream [T, hidden], updated in place
         fused = h.device.type == "cpu" and kernels_loaded()

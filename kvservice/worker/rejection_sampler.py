@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from kvservice.sampler import apply_top_k_top_p
-from kvservice.sampling_params import SamplingParams
+from kvservice.core.sampling_params import SamplingParams
+from kvservice.worker.sampler import apply_top_k_top_p
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

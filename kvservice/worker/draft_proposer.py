@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvservice.input_batch import BatchItem, build_batch
-from kvservice.model import CausalLM
-from kvservice.outputs import ScheduledRequest
-from kvservice.rejection_sampler import target_probs
-from kvservice.request import Request, RequestStatus
-from kvservice.sampler import Sampler
+from kvservice.core.outputs import ScheduledRequest
+from kvservice.core.request import Request, RequestStatus
+from kvservice.model.model import CausalLM
+from kvservice.worker.input_batch import BatchItem, build_batch
+from kvservice.worker.rejection_sampler import target_probs
+from kvservice.worker.sampler import Sampler
 
 
 @dataclass(slots=True)

@@ -10,10 +10,10 @@ conversation's next turn finds the last answer).
 
 from __future__ import annotations
 
-from kvservice.block_hash import extend_block_hashes, hash_seed
-from kvservice.block_pool import BlockPool
-from kvservice.outputs import PrefixCacheStats
-from kvservice.request import Request
+from kvservice.core.block_hash import extend_block_hashes, hash_seed
+from kvservice.core.block_pool import BlockPool
+from kvservice.core.outputs import PrefixCacheStats
+from kvservice.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvservice.config import ModelConfig
-from kvservice.kv_cache_manager import cdiv
+from kvservice.core.kv_cache_manager import cdiv
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ Nothing is ever downloaded: `tiny` is seeded random weights and a byte-level tok
 directory with config.json and safetensors, or one `.gguf` file (see `gguf_loader`).
 Both formats end as a Hugging Face state dict that `_build_model` loads; a float32 GGUF model
 on CPU (bfloat16 too, on a CPU without bfloat16 matmuls) also keeps its Q4_1/Q8_0 blocks for
-small-batch matmuls (`kvservice.block_quant`).
+small-batch matmuls (`kvservice.model.block_quant`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvservice.block_quant import BlockQuantWeight
 from kvservice.config import ModelConfig, ModelLoadError
-from kvservice.model import CausalLM, RotaryEmbedding, fuse_checkpoint_weights, is_block_quant_faster
-from kvservice.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from kvservice.loading.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from kvservice.model.block_quant import BlockQuantWeight
+from kvservice.model.model import CausalLM, RotaryEmbedding, fuse_checkpoint_weights, is_block_quant_faster
 
 if TYPE_CHECKING:
-    from kvservice.gguf_loader import BlockRows
+    from kvservice.loading.gguf_loader import BlockRows
 
 TINY_MODEL = "tiny"
 TINY_CONFIG = ModelConfig(
@@ -82,7 +82,7 @@ def load_model_config(model: str) -> ModelConfig:
         return TINY_CONFIG
     path = model_path(model)
     if path.is_file():
-        from kvservice.gguf_loader import gguf_model_config, open_gguf
+        from kvservice.loading.gguf_loader import gguf_model_config, open_gguf
 
         return gguf_model_config(open_gguf(path))
     config_file = path / "config.json"
@@ -107,7 +107,7 @@ def load_model(model: str, dtype: str = "auto", device: str = "cpu", max_positio
     if model == TINY_MODEL:
         net = _tiny_model(config, positions)
     elif (path := model_path(model)).is_file():
-        from kvservice.gguf_loader import gguf_block_quant_rows, gguf_state_dict, open_gguf
+        from kvservice.loading.gguf_loader import gguf_block_quant_rows, gguf_state_dict, open_gguf
 
         file = open_gguf(path)
         net = _build_model(gguf_state_dict(file, config, torch_dtype), config, positions, path)
@@ -129,8 +129,8 @@ def load_tokenizer(model: str) -> Tokenizer | None:
         return ByteTokenizer()
     path = model_path(model)
     if path.is_file():
-        from kvservice.gguf_loader import open_gguf
-        from kvservice.gguf_tokenizer import gguf_tokenizer
+        from kvservice.loading.gguf_loader import open_gguf
+        from kvservice.loading.gguf_tokenizer import gguf_tokenizer
 
         return gguf_tokenizer(open_gguf(path))
     return _hf_tokenizer(path)
@@ -142,7 +142,7 @@ def model_name(model: str) -> str:
         return TINY_MODEL
     path = model_path(model)
     if path.is_file():
-        from kvservice.gguf_loader import gguf_model_name, open_gguf
+        from kvservice.loading.gguf_loader import gguf_model_name, open_gguf
 
         return gguf_model_name(open_gguf(path))
     return path.name
@@ -156,7 +156,7 @@ def model_path(model: str) -> pathlib.Path:
     if path.is_dir():
         return path
     if path.is_file():
-        from kvservice.gguf_loader import is_gguf_file
+        from kvservice.loading.gguf_loader import is_gguf_file
 
         if not is_gguf_file(path):
             raise ModelLoadError(f"model {model!r}: a file, but not a GGUF file")

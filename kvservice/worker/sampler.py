@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvservice.sampling_params import SamplingParams
+from kvservice.core.sampling_params import SamplingParams
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -25,10 +25,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvservice.block_pool import KVCacheEvent
-from kvservice.chat_template import Prompt
-from kvservice.engine import LLMEngine, RequestOutput
-from kvservice.sampling_params import SamplingParams
+from kvservice.core.block_pool import KVCacheEvent
+from kvservice.core.sampling_params import SamplingParams
+from kvservice.engine.engine import LLMEngine, RequestOutput
+from kvservice.loading.chat_template import Prompt
 
 logger = logging.getLogger(__name__)
 

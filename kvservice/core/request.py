@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvservice.sampling_params import SamplingParams
+from kvservice.core.sampling_params import SamplingParams
 
 # Request ids key state on every server (and are logged): bounded and printable.
 MAX_REQUEST_ID_BYTES = 256

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections import deque
 
 from kvservice.connector.base import KVConnectorBase
-from kvservice.kv_cache_manager import KVCacheManager
-from kvservice.outputs import (
+from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.core.outputs import (
     EngineCoreOutput,
     KVConnectorOutput,
     ScheduledRequest,
@@ -30,7 +30,7 @@ from kvservice.outputs import (
     SchedulerStats,
     SpecDecodingStats,
 )
-from kvservice.request import Request, RequestStatus
+from kvservice.core.request import Request, RequestStatus
 
 
 class Scheduler:

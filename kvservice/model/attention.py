@@ -8,7 +8,7 @@ A step's flat batch holds the decode group first: requests with the same small n
 of new tokens Q (one for plain decoding, 1 + K when verifying K draft tokens), batched
 into one attention call; then one span per prefill chunk. The decode group reads the
 cache in place through its block table with the C++ kernel when it is loaded
-(`kvservice.cpu_kernels`), else gathers its contexts and attends with matmuls.
+(`kvservice.model.cpu_kernels`), else gathers its contexts and attends with matmuls.
 `AttentionMetadata` is built once per step and shared by every layer.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvservice.cpu_kernels import kernels_loaded
+from kvservice.model.cpu_kernels import kernels_loaded
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ W[n, k] = scale[n, k // 32] * code[n, k] + min[n, k // 32], the product and then
 rounded to float32: exactly the float32 weight the GGUF loader dequantizes (Q8_0 has no
 min: 0); a bfloat16 model's weight is that value rounded to bfloat16, as the loader rounds
 it. Decoding a few requests streams every weight once per step, so the C++ kernel
-(`block_quant_linear` in `kvservice.cpu_kernels`) that reads 1.25 bytes a weight instead
+(`block_quant_linear` in `kvservice.model.cpu_kernels`) that reads 1.25 bytes a weight instead
 of 4 (the float32 copy a bfloat16 model computes with on a CPU without bfloat16 matmuls)
 is faster than a float32 matmul; `dequantize` and `linear_reference` are the PyTorch
 formulas it is tested against.

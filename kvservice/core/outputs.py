@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from kvservice.request import Request
+from kvservice.core.request import Request
 
 if TYPE_CHECKING:
-    from kvservice.block_pool import KVCacheEvent
+    from kvservice.core.block_pool import KVCacheEvent
 
 
 class KVConnectorMetadata:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvservice.chat_template import apply_chat_template
 from kvservice.config import EngineConfig
-from kvservice.engine import LLMEngine, RequestOutput
-from kvservice.sampling_params import SamplingParams
+from kvservice.core.sampling_params import SamplingParams
+from kvservice.engine.engine import LLMEngine, RequestOutput
+from kvservice.loading.chat_template import apply_chat_template
 
 
 class LLM:
@@ -67,7 +67,7 @@ class LLM:
         or to a list of them; one finished output per conversation, as `generate` returns.
 
         Each conversation is rendered with `chat_template`, or the model's own, and
-        tokenized as it is (see `kvservice.chat_template.apply_chat_template`)."""
+        tokenized as it is (see `kvservice.loading.chat_template.apply_chat_template`)."""
         if not messages:
             raise ValueError("messages: empty")
         is_one = isinstance(messages[0], Mapping)
