@@ -26,7 +26,7 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "serve": Command("kvservice.server.worker_server", "run one worker: --role prefill | decode | both (colocated)"),
-    "proxy": Command("kvservice.server.proxy_server", "run the router that clients talk to, in front of prefill and decode workers"),
+    "proxy": Command("kvservice.server.proxy.server", "run the router that clients talk to, in front of prefill and decode workers"),
     "launch": Command("kvservice.client.launch", "start N prefill + M decode workers and a proxy locally; Ctrl-C stops all"),
     "generate": Command("kvservice.client.commands", "send one request and stream its tokens to the terminal",
                         "add_generate_arguments", "generate_main"),

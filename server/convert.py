@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvservice.core.block_pool import KVCacheEvent
 from kvservice.core.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from kvservice.engine.engine import RequestOutput
-from kvservice.loading.chat_template import ChatPrompt, Prompt
+from kvservice.loading.chat_template import ChatPrompt, Prompt, ResumedPrompt
 from kvservice.runtime.finish_reason import finish_reason_to_proto
 from kvservice.v1 import kvservice_pb2 as pb
 
@@ -50,6 +50,16 @@ def check_prompt_length(request: pb.GenerateRequest, max_model_len: int) -> None
 
 
 def prompt_from_proto(request: pb.GenerateRequest, max_model_len: int) -> Prompt:
+    """The request's prompt; with `resume_token_ids` (a migrated stream), resumed after them."""
+    prompt = _base_prompt(request, max_model_len)
+    if request.resume_token_ids:
+        if len(request.resume_token_ids) >= max_model_len:
+            raise ValueError(f"resume_token_ids: {len(request.resume_token_ids)} tokens, but the model's maximum length is {max_model_len}")
+        return ResumedPrompt(prompt, list(request.resume_token_ids))
+    return prompt
+
+
+def _base_prompt(request: pb.GenerateRequest, max_model_len: int) -> str | list[int] | ChatPrompt:
     kind = request.WhichOneof("prompt")
     if kind == "text":
         if not request.text:

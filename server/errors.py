@@ -19,6 +19,10 @@ class RequestFailed(Exception):
     """A request the engine ended with an error (e.g. its KV load failed under policy `fail`)."""
 
 
+class StreamLost(Exception):
+    """A request's decode stream broke and could not move to another worker; the message says why."""
+
+
 class NoWorkerAvailable(Exception):
     """The proxy has no healthy worker of a role it needs."""
 
@@ -47,6 +51,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
     (PublisherClosed, grpc.StatusCode.UNAVAILABLE),
     (NoWorkerAvailable, grpc.StatusCode.UNAVAILABLE),
+    (StreamLost, grpc.StatusCode.UNAVAILABLE),
     (RequestFailed, grpc.StatusCode.INTERNAL),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),

@@ -78,10 +78,18 @@ class ServerMetrics:
         # The proxy has no engine: its running requests are the client requests in flight.
         self.num_requests_running: Gauge | None = None
         self.workers_healthy: Gauge | None = None
+        self.workers: Gauge | None = None  # membership: workers by role and state
+        self.worker_joins: Gauge | None = None
+        self.worker_leaves: Gauge | None = None
         self.engine: EngineCollector | None = None
         if role == "proxy":
             self.num_requests_running = Gauge("kvservice_num_requests_running", "Client requests in flight", registry=r)
             self.workers_healthy = Gauge("kvservice_workers_healthy", "Workers whose health check passes, by role", ["role"], registry=r)
+            self.workers = Gauge("kvservice_workers", "Workers by role and membership state (joining, serving, not_serving, leaving)",
+                                 ["role", "state"], registry=r)
+            # Counters in meaning, read from the pools when scraped (hence gauges with set_function).
+            self.worker_joins = Gauge("kvservice_worker_joins", "Discovered workers that joined, by role", ["role"], registry=r)
+            self.worker_leaves = Gauge("kvservice_worker_leaves", "Workers dropped after leaving DNS, by role", ["role"], registry=r)
         else:
             self.engine = EngineCollector()
             r.register(self.engine)

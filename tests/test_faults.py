@@ -120,7 +120,7 @@ async def _has_staged(address: str) -> bool:
 # ---------------------------------------------------------------- 2. decode worker killed
 
 
-DECODE_KILL_PROMPTS = random_prompts([40] * 8, seed=3, vocab_size=256)
+DECODE_KILL_PROMPTS = random_prompts([40] * 16, seed=3, vocab_size=256)  # 16 streams decode when one worker dies
 DECODE_KILL_MAX_TOKENS = 400
 
 
@@ -142,30 +142,33 @@ async def _kill_decode_under_load(c: LocalCluster) -> list[object]:
                 t.cancel()
 
 
-async def test_decode_killed_mid_generation_fails_affected_requests_and_frees_everything() -> None:
+async def test_decode_killed_without_migration_fails_affected_requests_and_frees_everything() -> None:
+    """--migration-limit 0: each stream of the killed worker fails with UNAVAILABLE naming the cause; none hangs."""
     expected = tiny_greedy(DECODE_KILL_PROMPTS, DECODE_KILL_MAX_TOKENS)
-    async with cluster(num_prefill=1, num_decode=2, worker_args=(*BASE_WORKER_ARGS, "--kv-lease-seconds", "3")) as c:
+    async with cluster(num_prefill=1, num_decode=2, proxy_args=(*FAST_PROXY_ARGS, "--migration-limit", "0"),
+                       worker_args=(*BASE_WORKER_ARGS, "--kv-lease-seconds", "3")) as c:
         results = await _kill_decode_under_load(c)
         failed = [r for r in results if isinstance(r, BaseException)]
         assert failed, "no request was on the killed decode worker"
         for error in failed:
             assert isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE, error
+            assert c.decode_addresses[0] in error.details() and "--migration-limit 0" in error.details(), error.details()
         for result, want in zip(results, expected):
             if not isinstance(result, BaseException):
                 assert result == want
         await wait_until_idle([c.prefill_addresses[0], c.decode_addresses[1]])
 
 
-async def test_decode_killed_with_retry_decode_restarts_requests_without_repeating_tokens() -> None:
-    """With --retry-decode the proxy restarts greedy requests of a lost decode worker on
-    the other one: every client still gets exactly the reference output, nothing twice."""
+async def test_decode_killed_streams_migrate_and_complete_exactly() -> None:
+    """Default --migration-limit 1: the proxy resends each lost stream's prompt plus the tokens
+    already streamed to the other decode worker; every client gets exactly the undisturbed
+    greedy output, no token twice or missing, no error."""
     expected = tiny_greedy(DECODE_KILL_PROMPTS, DECODE_KILL_MAX_TOKENS)
-    async with cluster(num_prefill=1, num_decode=2, proxy_args=(*FAST_PROXY_ARGS, "--retry-decode"),
-                       worker_args=(*BASE_WORKER_ARGS, "--kv-lease-seconds", "3")) as c:
+    async with cluster(num_prefill=1, num_decode=2, worker_args=(*BASE_WORKER_ARGS, "--kv-lease-seconds", "3")) as c:
         results = await _kill_decode_under_load(c)
         assert results == expected  # no request lost, no token repeated or skipped
         survivor = c.decode_addresses[1]
-        # decode-0 is dead: the survivor finished every request, its own and the restarted ones.
+        # decode-0 is dead: the survivor finished every request, its own and the migrated ones.
         assert (await worker_stats(survivor)).num_finished_requests == len(DECODE_KILL_PROMPTS)
         await wait_until_idle([c.prefill_addresses[0], survivor])
 

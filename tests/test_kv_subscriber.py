@@ -18,8 +18,8 @@ from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.async_engine import AsyncLLMEngine
 from kvservice.engine.engine import LLMEngine
 from kvservice.server.kv_events import KVEventPublisher
-from kvservice.server.kv_subscriber import KVEventSubscriptions
-from kvservice.server.worker_pool import WorkerHandle, WorkerPool
+from kvservice.server.proxy.kv_subscriber import KVEventSubscriptions
+from kvservice.server.proxy.worker_pool import WorkerHandle, WorkerPool
 from kvservice.server.worker_service import EngineWorkerService
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc

@@ -151,3 +151,22 @@ def test_stop_string_with_speculative_decoding(full: RequestOutput) -> None:
     assert out.token_ids == full.token_ids[: tokens_until(full.token_ids, stop)]
     assert llm.engine.scheduler.num_accepted_tokens > 0
     assert llm.engine.num_free_blocks == llm.engine.num_blocks
+
+
+@pytest.mark.parametrize("stop", [(), ("zz",)])
+def test_a_resumed_prompt_continues_the_request_exactly(llm: LLM, stop: tuple[str, ...]) -> None:
+    """A migrated stream: the prompt plus the tokens already streamed, resumed elsewhere, yields
+    exactly the rest of the undisturbed output (tokens, text, the max_tokens limit, stop strings)."""
+    from kvservice.loading.chat_template import ResumedPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=list(stop))
+    prompt = [5, 17, 42, 9, 100, 3]
+    [full] = llm.generate(prompt, params)
+    assert len(full.token_ids) == 20
+    for num_resumed in (1, 7, 19):
+        [rest] = llm.generate([ResumedPrompt(prompt, full.token_ids[:num_resumed])], params)  # type: ignore[list-item]
+        assert rest.prompt_token_ids == prompt
+        assert rest.token_ids == full.token_ids and rest.text == full.text and rest.finish_reason == full.finish_reason
+        assert rest.new_token_ids == full.token_ids[-1:]  # the last step's token: nothing resumed is new
+    with pytest.raises(ValueError, match="resume_token_ids"):
+        llm.generate([ResumedPrompt(prompt, full.token_ids)], params)  # type: ignore[list-item]

@@ -14,8 +14,8 @@ import pytest_asyncio
 from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer
 from kvservice.server.metrics import start_http
 from kvservice.server.openai_front import OpenAIFront
-from kvservice.server.proxy import ProxyService
-from kvservice.server.worker_pool import WorkerPool
+from kvservice.server.proxy.service import ProxyService
+from kvservice.server.proxy.worker_pool import WorkerPool
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 

@@ -10,8 +10,8 @@ import pytest_asyncio
 
 from kvservice.core.block_hash import block_hashes
 from kvservice.server.errors import NoWorkerAvailable
-from kvservice.server.router import DECODE_LOAD_TOKENS, Router
-from kvservice.server.worker_pool import WorkerHandle, WorkerPool
+from kvservice.server.proxy.router import DECODE_LOAD_TOKENS, Router
+from kvservice.server.proxy.worker_pool import WorkerHandle, WorkerPool
 from kvservice.v1 import kvservice_pb2 as pb
 
 pytestmark = pytest.mark.asyncio

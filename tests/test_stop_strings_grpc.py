@@ -20,7 +20,7 @@ from conftest import local_cluster
 from kvservice import LLM, SamplingParams
 from kvservice.client.client import GenerateChunk, KVServiceClient
 from kvservice.client.cluster import LocalCluster
-from kvservice.server.proxy import _without_first_token
+from kvservice.server.proxy.service import _without_first_token
 from kvservice.v1 import kvservice_pb2 as pb
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

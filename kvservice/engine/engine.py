@@ -5,6 +5,7 @@ Synchronous and single-threaded; `AsyncLLMEngine` runs it in a thread of its own
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,7 @@ from kvservice.core.request import Request, RequestStatus, check_request_id
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.scheduler import Scheduler
 from kvservice.engine.stop_checker import OutputText
-from kvservice.loading.chat_template import Prompt, encode_prompt
+from kvservice.loading.chat_template import Prompt, ResumedPrompt, encode_prompt
 from kvservice.loading.model_loader import LoadedModel, load_model, load_model_config
 from kvservice.loading.tokenizer import Tokenizer
 from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
@@ -136,6 +137,11 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
         output_text = OutputText(self.tokenizer, params.stop)
+        if isinstance(prompt, ResumedPrompt) and prompt.token_ids:
+            params = _resumed_params(params, len(prompt.token_ids))
+            # The same detokenizer and stop-string state as the stream had: text held back
+            # there stays held back here, and nothing already sent is sent again.
+            output_text.push(prompt.token_ids)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         check_request_id(request_id)
         request = Request(
@@ -147,7 +153,12 @@ class LLMEngine:
             kv_transfer_params=kv_transfer_params,
         )
         self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(token_ids, output_text)
+        if isinstance(prompt, ResumedPrompt) and prompt.token_ids:
+            # Outputs read as the original request's, continued: the resumed tokens are output.
+            num_base = len(token_ids) - len(prompt.token_ids)
+            self._tracked[request_id] = _Tracked(token_ids[:num_base], output_text, token_ids[num_base:])
+        else:
+            self._tracked[request_id] = _Tracked(token_ids, output_text)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -213,3 +224,10 @@ class LLMEngine:
     @property
     def num_blocks(self) -> int:
         return self.scheduler.kv.num_blocks
+
+
+def _resumed_params(params: SamplingParams, num_resumed: int) -> SamplingParams:
+    """The limits of what is left to generate after `num_resumed` tokens."""
+    if num_resumed >= params.max_tokens:
+        raise ValueError(f"resume_token_ids: {num_resumed} tokens already reach max_tokens ({params.max_tokens})")
+    return dataclasses.replace(params, max_tokens=params.max_tokens - num_resumed)

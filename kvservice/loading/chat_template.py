@@ -39,8 +39,17 @@ class ChatPrompt:
     add_generation_prompt: bool = True
 
 
-# What a request's prompt may be: text, token ids, or a conversation.
-Prompt: TypeAlias = str | list[int] | ChatPrompt
+@dataclass(frozen=True, slots=True)
+class ResumedPrompt:
+    """A prompt whose first generated tokens came from elsewhere (a migrated stream): the
+    engine appends `token_ids` to the prompt's own and generates what follows them."""
+
+    prompt: str | list[int] | ChatPrompt
+    token_ids: list[int]
+
+
+# What a request's prompt may be: text, token ids, a conversation, or one of those resumed.
+Prompt: TypeAlias = str | list[int] | ChatPrompt | ResumedPrompt
 
 # Roles are free-form (templates decide what they accept), but bounded like any input.
 MAX_ROLE_CHARS = 64
@@ -184,6 +193,8 @@ def encode_prompt(tokenizer: Tokenizer | None, prompt: Prompt) -> list[int]:
     """A prompt's token ids, exactly as a worker computes them: text tokenized with special
     tokens, a conversation rendered with the model's chat template, token ids as given. The
     proxy hashes what this returns, so it must stay the one definition."""
+    if isinstance(prompt, ResumedPrompt):
+        return encode_prompt(tokenizer, prompt.prompt) + [int(t) for t in prompt.token_ids]
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer.json; pass token ids")

@@ -22,11 +22,12 @@ import grpc
 from kvservice.core.request import check_request_id
 from kvservice.loading.tokenizer import Tokenizer
 from kvservice.server.convert import check_prompt_length, check_stop_token_ids_count
+from kvservice.server.errors import StreamLost
 from kvservice.server.generation import StreamingGenerationService, new_request_id
 from kvservice.server.metrics import ServerMetrics
-from kvservice.server.prompt_tokens import PromptTokens
-from kvservice.server.router import Router
-from kvservice.server.worker_pool import WorkerHandle, WorkerPool
+from kvservice.server.proxy.prompt_tokens import PromptTokens
+from kvservice.server.proxy.router import Router
+from kvservice.server.proxy.worker_pool import WorkerHandle, WorkerPool
 from kvservice.v1 import kvservice_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ _CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE
 _WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE}
 # Deadline of one request's calls to its workers (the whole decode stream included).
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+# Dynamo's default: one move to another decode worker per request.
+DEFAULT_MIGRATION_LIMIT = 1
 # The proxy does not know its workers' model: it refuses only prompts longer than any
 # model's context, before copying them; each worker applies its model's own limit.
 DEFAULT_MAX_MODEL_LEN = 1 << 20
@@ -48,7 +51,7 @@ class ProxyService(StreamingGenerationService):
         prefill: WorkerPool,
         decode: WorkerPool,
         metrics: ServerMetrics | None = None,
-        retry_decode: bool = False,
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         router: Router | None = None,
@@ -62,9 +65,11 @@ class ProxyService(StreamingGenerationService):
         self.max_model_len = max_model_len
         self.prefill = prefill
         self.decode = decode
-        # When a decode worker goes away mid-request, restart a reproducible request
-        # (greedy or seeded) on another one instead of failing it with UNAVAILABLE.
-        self.retry_decode = retry_decode
+        if migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
+        # How many times one request may move to another decode worker when its own is lost.
+        self.migration_limit = migration_limit
+        self.num_migrations = 0
         self.metrics = metrics if metrics is not None else ServerMetrics("proxy")
         self.router = router if router is not None else Router(prefill, decode)
         self.prompt_tokens = PromptTokens(tokenizer, max_model_len)
@@ -86,32 +91,36 @@ class ProxyService(StreamingGenerationService):
             if request.WhichOneof("prompt") is None:
                 raise ValueError("prompt: set one of text, token_ids or chat")
             token_ids = self.prompt_tokens.token_ids(inner) if self.router.needs_kv_events else None
-            num_sent = 0  # tokens the client already has
+            streamed: list[int] = []  # tokens the client has
             failed_decoders: set[str] = set()
+            attempt = inner
             while True:
-                skip = num_sent  # a retry starts the request over: drop what the client has
                 try:
-                    async for response in self._route(inner, token_ids, failed_decoders):
-                        if skip:
-                            response, skip = _skip_tokens(response, skip)
-                            if not response.token_ids and response.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
-                                continue
+                    async for response in self._route(attempt, token_ids, failed_decoders):
                         tracker.on_tokens(len(response.token_ids))
-                        num_sent += len(response.token_ids)
+                        streamed.extend(response.token_ids)
                         yield response
                     return
                 except DecodeWorkerLost as lost:
-                    if not (self.retry_decode and _is_reproducible(inner)):
-                        raise lost.error from None
+                    num_migrations = len(failed_decoders)
+                    if num_migrations >= self.migration_limit:
+                        raise StreamLost(
+                            f"decode worker {lost.address} was lost after {len(streamed)} tokens "
+                            f"({lost.error.code().name}: {lost.error.details()}); "
+                            f"--migration-limit {self.migration_limit} allows no further migration"
+                        ) from None
                     failed_decoders.add(lost.address)
-                    logger.warning("request_id=%s: decode worker %s lost after %d tokens; retrying on another",
-                                   inner.request_id, lost.address, num_sent)
+                    attempt = _resumed(inner, streamed)
+                    self.num_migrations += 1
+                    logger.warning("request_id=%s: decode worker %s lost after %d tokens; migrating (%d of at most %d)",
+                                   inner.request_id, lost.address, len(streamed), num_migrations + 1, self.migration_limit)
 
     async def _route(
         self, inner: pb.GenerateRequest, token_ids: list[int] | None, failed_decoders: set[str]
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """One attempt: pick the workers and stream. A retry has no KV source (its decode
-        worker prefills itself): the first attempt's transfer went to the lost worker."""
+        """One attempt: pick the workers and stream. A migrated attempt has no KV source: its
+        decode worker prefills the prompt and the resumed tokens itself (from its prefix cache
+        where it has them); the first attempt's transfer went to the lost worker."""
         route = self.router.route(token_ids, exclude_decode=failed_decoders, use_prefill=not failed_decoders)
         decode_worker, prefill_worker = route.decode, route.prefill
         logger.info("request_id=%s routed: prefill=%s decode=%s (uncached there: %s tokens)", inner.request_id,
@@ -284,24 +293,12 @@ class DecodeWorkerLost(Exception):
         self.error = error
 
 
-def _is_reproducible(request: pb.GenerateRequest) -> bool:
-    """Whether a restarted request emits the same tokens: greedy, or sampled with a seed."""
-    sp = request.sampling_params
-    return (sp.HasField("temperature") and sp.temperature < 1e-5) or sp.HasField("seed")
-
-
-def _skip_tokens(response: pb.GenerateResponse, skip: int) -> tuple[pb.GenerateResponse, int]:
-    """Drop up to `skip` leading tokens (the client has them); returns what is left to skip.
-    Responses carry one token each in practice; a partly kept one keeps its whole text."""
-    dropped = min(skip, len(response.token_ids))
-    if not dropped:
-        return response, skip
-    rest = pb.GenerateResponse()
-    rest.CopyFrom(response)
-    del rest.token_ids[:dropped]
-    if not rest.token_ids:
-        rest.text = ""
-    return rest, skip - dropped
+def _resumed(request: pb.GenerateRequest, streamed: list[int]) -> pb.GenerateRequest:
+    """The request to send a new decode worker: the same prompt, resumed after `streamed`."""
+    resumed = pb.GenerateRequest()
+    resumed.CopyFrom(request)
+    resumed.resume_token_ids.extend(streamed)
+    return resumed
 
 
 def _without_first_token(response: pb.GenerateResponse, sent_text: str) -> pb.GenerateResponse:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import grpc
 
-from kvservice.server.worker_pool import WorkerHandle
+from kvservice.server.proxy.worker_pool import WorkerHandle
 from kvservice.v1 import kvservice_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,12 @@ class KVEventSubscriptions:
         self.num_subscribes: dict[str, int] = {w.address: 0 for w in self.workers}
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._follow(w), name=f"kv-events {w.address}") for w in self.workers]
+        self._tasks = [self.follow(w) for w in self.workers]
+
+    def follow(self, worker: WorkerHandle) -> asyncio.Task[None]:
+        """A task that keeps `worker`'s index current; the caller owns it (the pool, for discovered workers)."""
+        self.num_subscribes.setdefault(worker.address, 0)
+        return asyncio.create_task(self._follow(worker), name=f"kv-events {worker.address}")
 
     async def close(self) -> None:
         for task in self._tasks:

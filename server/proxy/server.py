@@ -18,7 +18,6 @@ from kvservice.runtime.routing_args import add_routing_arguments
 from kvservice.runtime.tls import TLSFiles, add_tls_arguments
 from kvservice.server.auth import BearerTokenInterceptor
 from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, add_log_level_argument, configure_logging
-from kvservice.server.kv_subscriber import KVEventSubscriptions
 from kvservice.server.metrics import (
     ServerMetrics,
     metrics_app,
@@ -26,9 +25,11 @@ from kvservice.server.metrics import (
     start_http,
 )
 from kvservice.server.openai_front import OpenAIFront
-from kvservice.server.proxy import DEFAULT_REQUEST_TIMEOUT_S, ProxyService
-from kvservice.server.router import Router
-from kvservice.server.worker_pool import WorkerPool
+from kvservice.server.proxy.discovery import DEFAULT_DISCOVERY_INTERVAL_S, Discovery, DNSName
+from kvservice.server.proxy.kv_subscriber import KVEventSubscriptions
+from kvservice.server.proxy.router import Router
+from kvservice.server.proxy.service import DEFAULT_MIGRATION_LIMIT, DEFAULT_REQUEST_TIMEOUT_S, ProxyService
+from kvservice.server.proxy.worker_pool import WORKER_STATES, WorkerPool
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,18 @@ MIN_HEALTH_CHECK_TIMEOUT_S = 2.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", nargs="*", default=[], metavar="HOST:PORT", help="prefill workers (none: decode workers prefill themselves)")
-    parser.add_argument("--decode", nargs="+", required=True, metavar="HOST:PORT", help="decode workers")
+    parser.add_argument("--decode", nargs="*", default=[], metavar="HOST:PORT", help="decode workers (this, --decode-dns, or both)")
+    parser.add_argument(
+        "--prefill-dns", action="append", default=[], metavar="NAME:PORT",
+        help="prefill workers by DNS: every A/AAAA record of NAME is one worker on PORT (a Kubernetes headless Service, "
+        "compose --scale, Swarm tasks.NAME); repeatable, beside --prefill",
+    )
+    parser.add_argument("--decode-dns", action="append", default=[], metavar="NAME:PORT", help="decode workers by DNS, as --prefill-dns")
+    parser.add_argument(
+        "--discovery-interval", type=float, default=DEFAULT_DISCOVERY_INTERVAL_S,
+        help=f"seconds between DNS lookups of --prefill-dns/--decode-dns (default: {DEFAULT_DISCOVERY_INTERVAL_S:g}); a new address "
+        "joins once SERVING with its KV-event snapshot, a vanished one finishes its requests and is dropped",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 lets the OS pick (default: 0)")
     parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between worker health checks (default: 1)")
@@ -49,9 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="the maximum length /v1/models reports (default: the model's)")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 lets the OS pick (default: off)")
     parser.add_argument(
-        "--retry-decode", action="store_true",
-        help="when a decode worker is lost mid-request, restart greedy or seeded requests on another "
-        "decode worker (tokens the client has are not sent again) instead of failing them with UNAVAILABLE",
+        "--migration-limit", type=int, default=DEFAULT_MIGRATION_LIMIT,
+        help="times one request may move to another decode worker when its decode worker dies or its stream breaks: "
+        "the prompt plus the tokens already streamed are resent, and the client's stream goes on "
+        f"(default: {DEFAULT_MIGRATION_LIMIT}; 0: fail such requests with UNAVAILABLE)",
     )
     parser.add_argument(
         "--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
@@ -67,6 +80,14 @@ def main(args: argparse.Namespace) -> int:
     try:
         if not args.request_timeout > 0:
             raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
+        if args.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {args.migration_limit}")
+        if not args.discovery_interval > 0:
+            raise ValueError(f"--discovery-interval must be > 0, got {args.discovery_interval}")
+        if not args.decode and not args.decode_dns:
+            raise ValueError("give decode workers: --decode HOST:PORT ... and/or --decode-dns NAME:PORT")
+        for name in args.prefill_dns + args.decode_dns:
+            DNSName.parse(name)
         tls = TLSFiles.from_args(args)
         tls.server_credentials()  # unreadable files fail here, with exit code 2
     except ValueError as e:
@@ -89,18 +110,21 @@ async def serve(args: argparse.Namespace) -> int:
     # The proxy presents the same certificate to its workers as to its clients.
     tls = TLSFiles.from_args(args)
     channel_credentials = tls.channel_credentials()
-    prefill = WorkerPool(args.prefill, channel_credentials, args.auth_token)
-    decode = WorkerPool(args.decode, channel_credentials, args.auth_token)
+    prefill = WorkerPool(args.prefill, channel_credentials, args.auth_token, role="prefill")
+    decode = WorkerPool(args.decode, channel_credentials, args.auth_token, role="decode")
     metrics = ServerMetrics("proxy")
-    assert metrics.workers_healthy is not None
-    metrics.workers_healthy.labels("prefill").set_function(lambda: prefill.num_healthy)
-    metrics.workers_healthy.labels("decode").set_function(lambda: decode.num_healthy)
+    _export_membership(metrics, prefill, decode)
     router = Router(prefill, decode, args.routing, args.max_local_prefill_tokens)
     service = ProxyService(
-        prefill, decode, metrics, retry_decode=args.retry_decode, request_timeout=args.request_timeout, router=router, tokenizer=tokenizer,
+        prefill, decode, metrics, migration_limit=args.migration_limit, request_timeout=args.request_timeout, router=router,
+        tokenizer=tokenizer,
     )
     # Each worker's cache index, from its KV events: only kv-aware routing and local prefill read it.
-    subscriptions = KVEventSubscriptions(prefill.workers + decode.workers if router.needs_kv_events else [])
+    subscriptions = KVEventSubscriptions([])
+    discoveries = [
+        Discovery(pool, [DNSName.parse(n) for n in names], args.discovery_interval)
+        for pool, names in ((prefill, args.prefill_dns), (decode, args.decode_dns)) if names
+    ]
     interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
     server = GrpcServer([SERVICE_NAMES["generation"]], tls.server_credentials(), interceptors)
     pb_grpc.add_GenerationServicer_to_server(service, server.server)
@@ -132,8 +156,14 @@ async def serve(args: argparse.Namespace) -> int:
         for runner in runners:
             await runner.cleanup()
         raise
+    for pool in (prefill, decode):
+        pool.needs_snapshot = router.needs_kv_events
+        pool.watch_health()
+        if router.needs_kv_events:
+            pool.on_added(subscriptions.follow)
+    # Every task the proxy starts is cancelled and awaited in on_stop.
     monitor = asyncio.create_task(_monitor(server, prefill, decode, args.health_interval))
-    subscriptions.start()
+    discovery_tasks = [asyncio.create_task(d.run(), name=f"discovery {d.pool.role}") for d in discoveries]
 
     async def drain_http(deadline: float) -> None:
         """Alongside the gRPC drain, within the same grace period: /health turns 503, new
@@ -144,9 +174,10 @@ async def serve(args: argparse.Namespace) -> int:
             await runner.cleanup()
 
     async def on_stop() -> None:
-        monitor.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await monitor
+        for task in [monitor, *discovery_tasks]:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await subscriptions.close()
         await prefill.close()
         await decode.close()
@@ -163,6 +194,7 @@ async def _monitor(server: GrpcServer, prefill: WorkerPool, decode: WorkerPool, 
     timeout = max(interval, MIN_HEALTH_CHECK_TIMEOUT_S)
     while True:
         await asyncio.gather(prefill.check_all(timeout), decode.check_all(timeout))
+        await asyncio.gather(prefill.update_membership(), decode.update_membership())
         is_serving = decode.num_healthy > 0
         if is_serving != was_serving:
             await server.set_serving(is_serving)
@@ -170,3 +202,15 @@ async def _monitor(server: GrpcServer, prefill: WorkerPool, decode: WorkerPool, 
                         prefill.num_healthy, len(prefill.workers), decode.num_healthy, len(decode.workers))
             was_serving = is_serving
         await asyncio.sleep(interval)  # polling period of the health monitor
+
+
+def _export_membership(metrics: ServerMetrics, *pools: WorkerPool) -> None:
+    """`kvservice_workers{role,state}`, joins and leaves, read from the pools at each scrape."""
+    assert metrics.workers_healthy is not None and metrics.workers is not None
+    assert metrics.worker_joins is not None and metrics.worker_leaves is not None
+    for pool in pools:
+        metrics.workers_healthy.labels(pool.role).set_function(lambda pool=pool: pool.num_healthy)
+        metrics.worker_joins.labels(pool.role).set_function(lambda pool=pool: pool.num_joins)
+        metrics.worker_leaves.labels(pool.role).set_function(lambda pool=pool: pool.num_leaves)
+        for state in WORKER_STATES:
+            metrics.workers.labels(pool.role, state).set_function(lambda pool=pool, state=state: pool.num_in_state()[state])

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from kvservice.runtime.routing_args import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_ROUTING, ROUTING_POLICIES
 from kvservice.server.errors import NoWorkerAvailable
-from kvservice.server.worker_pool import WorkerHandle, WorkerPool
+from kvservice.server.proxy.worker_pool import WorkerHandle, WorkerPool
 
 logger = logging.getLogger(__name__)
 
