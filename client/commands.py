@@ -131,7 +131,8 @@ async def _stats(args: argparse.Namespace) -> int:
     print(f"  prefix_cache: {_hit_rate(stats.prefix_cache)}")
     for worker, entry in zip(data.get("workers", []), stats.workers):
         s = worker.get("stats", {})
-        print(f"  worker {worker['address']} ({s.get('role', '?')}, healthy={worker['is_healthy']}, outstanding={worker['num_outstanding']}): "
+        print(f"  worker {worker['address']} ({s.get('role') or worker.get('role') or '?'}, {worker.get('state') or '?'}, "
+              f"healthy={worker['is_healthy']}, outstanding={worker['num_outstanding']}): "
               f"blocks free {s.get('num_blocks_free', 0)}/{s.get('num_blocks_total', 0)}, prefix cache {_hit_rate(entry.stats.prefix_cache)}, "
               f"indexed by the proxy {entry.num_indexed_blocks} blocks")
     return 0

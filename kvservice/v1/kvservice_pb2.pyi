@@ -185,18 +185,22 @@ class SpecDecodeStats(_message.Message):
     def __init__(self, num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_verify_steps: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("address", "stats", "num_outstanding", "is_healthy", "num_indexed_blocks")
+    __slots__ = ("address", "stats", "num_outstanding", "is_healthy", "num_indexed_blocks", "state", "role")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
     IS_HEALTHY_FIELD_NUMBER: _ClassVar[int]
     NUM_INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     address: str
     stats: StatsResponse
     num_outstanding: int
     is_healthy: bool
     num_indexed_blocks: int
-    def __init__(self, address: _Optional[str] = ..., stats: _Optional[_Union[StatsResponse, _Mapping]] = ..., num_outstanding: _Optional[int] = ..., is_healthy: _Optional[bool] = ..., num_indexed_blocks: _Optional[int] = ...) -> None: ...
+    state: str
+    role: str
+    def __init__(self, address: _Optional[str] = ..., stats: _Optional[_Union[StatsResponse, _Mapping]] = ..., num_outstanding: _Optional[int] = ..., is_healthy: _Optional[bool] = ..., num_indexed_blocks: _Optional[int] = ..., state: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class KVTransferParams(_message.Message):
     __slots__ = ("remote_address", "transfer_token")

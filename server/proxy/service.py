@@ -243,16 +243,17 @@ class ProxyService(StreamingGenerationService):
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         stats = pb.StatsResponse(role="proxy")
 
-        async def one(worker: WorkerHandle) -> pb.WorkerStats:
+        async def one(worker: WorkerHandle, role: str) -> pb.WorkerStats:
             entry = pb.WorkerStats(
                 address=worker.address, num_outstanding=worker.num_outstanding, is_healthy=worker.is_healthy,
-                num_indexed_blocks=len(worker.kv_index.block_hashes),
+                num_indexed_blocks=len(worker.kv_index.block_hashes), state=worker.state, role=role,
             )
             with contextlib.suppress(grpc.aio.AioRpcError):
                 entry.stats.CopyFrom(await worker.stub.Stats(pb.StatsRequest(), timeout=5, metadata=worker.metadata))
             return entry
 
-        entries = await asyncio.gather(*(one(w) for w in self.prefill.workers + self.decode.workers))
+        members = [(w, "prefill") for w in self.prefill.workers] + [(w, "decode") for w in self.decode.workers]
+        entries = await asyncio.gather(*(one(w, role) for w, role in members))
         stats.workers.extend(entries)
         for entry in entries:
             s = entry.stats
