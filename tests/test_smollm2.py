@@ -12,7 +12,7 @@ import torch
 from hf_models import TOKENIZER_CORPUS
 
 from kvservice import LLM, SamplingParams
-from kvservice.loading.model_loader import ModelLoadError, load_model, load_model_config
+from kvservice.loading.model_loader import ModelLoadError, load_model, load_model_config, model_name
 from kvservice.model import model as model_module
 from kvservice.model.attention import AttentionMetadata, PrefillSpan
 from kvservice.model.model import MAX_BLOCK_QUANT_ROWS, CausalLM, Linear
@@ -160,7 +160,10 @@ def test_smollm2_tokenizer_matches_transformers(smollm2_llm: LLM, smollm2_hf_tok
 def test_smollm2_config_and_name(smollm2_file: pathlib.Path, smollm2_llm: LLM) -> None:
     config = load_model_config("smollm2")
     assert smollm2_llm.engine.loaded.config == config
-    assert smollm2_llm.engine.loaded.name == "Smollm2 135M 8k Lc100K Mix1 Ep2"  # general.name
+    # Served as the preset's name, not the GGUF's `general.name` ("Smollm2 135M 8k Lc100K Mix1 Ep2");
+    # the file itself by its stem.
+    assert smollm2_llm.engine.loaded.name == "smollm2"
+    assert model_name(str(smollm2_file)) == smollm2_file.stem == "SmolLM2-135M-Instruct.Q4_1"
     assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (30, 576, 9)
     assert (config.num_key_value_heads, config.head_dim, config.vocab_size) == (3, 64, 49152)
     assert config.tie_word_embeddings and config.rope_theta == 100000.0

@@ -114,11 +114,6 @@ def gguf_model_config(file: GGUFFile) -> ModelConfig:
     return dataclasses.replace(config, rope_scaling={"rope_type": "freq_factors", "factors": tuple(factors)})
 
 
-def gguf_model_name(file: GGUFFile) -> str:
-    """`general.name`, or the file's stem when the file has none."""
-    return str(file.metadata.get("general.name") or file.path.stem)
-
-
 def gguf_state_dict(file: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every tensor dequantized to `dtype`, under its Hugging Face name, q/k un-permuted for Llama."""
     state: dict[str, torch.Tensor] = {}

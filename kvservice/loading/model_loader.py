@@ -137,15 +137,11 @@ def load_tokenizer(model: str) -> Tokenizer | None:
 
 
 def model_name(model: str) -> str:
-    """The name a server answers to by default: a GGUF file's `general.name`, a directory's name, a preset's name."""
-    if model == TINY_MODEL:
-        return TINY_MODEL
-    path = model_path(model)
-    if path.is_file():
-        from kvservice.loading.gguf_loader import gguf_model_name, open_gguf
-
-        return gguf_model_name(open_gguf(path))
-    return path.name
+    """The name a server answers to by default: a preset's name (`smollm2`), a GGUF file's stem,
+    a directory's name. Never a GGUF's `general.name`: clients type this, so no spaces."""
+    if model in (TINY_MODEL, SMOLLM2_MODEL):
+        return model
+    return model_path(model).stem
 
 
 def model_path(model: str) -> pathlib.Path:
