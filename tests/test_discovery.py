@@ -291,3 +291,15 @@ async def test_two_proxies_route_the_same_workers_independently() -> None:
             assert {w.role for w in stats.workers} == {"prefill", "decode"}
             # Each proxy indexes what the workers cache, whichever proxy sent the request.
             assert sum(w.num_indexed_blocks for w in stats.workers if w.role == "decode") >= len(prompts) * 2
+
+        # Drain: SIGTERM makes a decode worker report NOT_SERVING at once; both proxies see it
+        # within a second (their health watch), route around it, and it exits 0 after draining.
+        draining = processes[1]
+        address = f"{ns.ip(4)}:{PORT}"
+        os.killpg(draining.pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        for proxy in proxies:
+            async with KVServiceClient(proxy) as client:
+                assert await follows(client, {address: "not_serving", f"{ns.ip(5)}:{PORT}": "serving"}, signalled) <= 1.0
+        assert await asyncio.gather(*(one(proxies[i % 2], p) for i, p in enumerate(prompts[:4]))) == expected[:4]
+        assert await asyncio.wait_for(draining.wait(), 30) == 0
