@@ -20,7 +20,8 @@ from kvservice.client.client import KVServiceClient
 from kvservice.loading.model_loader import load_model_config
 from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.runtime.engine_args import engine_config
-from kvservice.server import proxy_server, worker_server
+from kvservice.server import worker_server
+from kvservice.server.proxy import server as proxy_server
 
 KVSERVICE = str(pathlib.Path(sys.executable).with_name("kvservice"))
 
