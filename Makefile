@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint proto bench-engine clean
+.PHONY: setup demo test test-fast test-docker lint proto bench-engine clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,11 @@ test: setup
 # The tests not marked slow (no multi-process clusters): a minute or two.
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# The Docker image built and the compose demo run for real (SmolLM2 answers, decode scaled
+# under load): needs a Docker engine; see docs/docker.md. A few minutes.
+test-docker: setup
+	scripts/docker_e2e.sh
 
 # Style, import order and likely bugs (ruff; settings in pyproject.toml).
 lint: setup

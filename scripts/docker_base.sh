@@ -133,7 +133,7 @@ for path in files:
 PY
 
 # What python:3.11-slim-bookworm sets, plus the host's PIP_* environment.
-changes=(--change "ENV LANG=C.UTF-8" --change 'CMD ["python3"]')
+changes=(--change "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" --change "ENV LANG=C.UTF-8" --change 'CMD ["python3"]')
 while IFS= read -r line; do changes+=(--change "ENV $line"); done <"$work/env"
 say "docker import -> $TAG"
 tar -C "$root" --numeric-owner -c . | docker import "${changes[@]}" - "$TAG" >/dev/null

