@@ -137,11 +137,12 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
         output_text = OutputText(self.tokenizer, params.stop)
-        if isinstance(prompt, ResumedPrompt) and prompt.token_ids:
-            params = _resumed_params(params, len(prompt.token_ids))
+        resumed = token_ids[len(token_ids) - len(prompt.token_ids):] if isinstance(prompt, ResumedPrompt) else []
+        if resumed:
+            params = _resumed_params(params, len(resumed))
             # The same detokenizer and stop-string state as the stream had: text held back
             # there stays held back here, and nothing already sent is sent again.
-            output_text.push(prompt.token_ids)
+            output_text.push(resumed)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         check_request_id(request_id)
         request = Request(
@@ -153,12 +154,8 @@ class LLMEngine:
             kv_transfer_params=kv_transfer_params,
         )
         self.scheduler.add_request(request)
-        if isinstance(prompt, ResumedPrompt) and prompt.token_ids:
-            # Outputs read as the original request's, continued: the resumed tokens are output.
-            num_base = len(token_ids) - len(prompt.token_ids)
-            self._tracked[request_id] = _Tracked(token_ids[:num_base], output_text, token_ids[num_base:])
-        else:
-            self._tracked[request_id] = _Tracked(token_ids, output_text)
+        # Outputs read as the original request's, continued: resumed tokens count as output.
+        self._tracked[request_id] = _Tracked(token_ids[: len(token_ids) - len(resumed)], output_text, resumed)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:

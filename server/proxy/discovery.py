@@ -87,8 +87,8 @@ class Discovery:
                 self.pool.retire(worker)
 
     async def run(self) -> None:
-        """Refresh forever, every `interval` seconds (the first round at once)."""
+        """Refresh forever, every `interval` seconds (the first round at once); the proxy's
+        health monitor applies joins and drops (`WorkerPool.update_membership`)."""
         while True:
             await self.refresh()
-            await self.pool.update_membership()
             await asyncio.sleep(self.interval)  # the re-resolution period, not synchronisation

@@ -120,6 +120,7 @@ async def serve(args: argparse.Namespace) -> int:
         tokenizer=tokenizer,
     )
     # Each worker's cache index, from its KV events: only kv-aware routing and local prefill read it.
+    # The pools own the subscription tasks (`on_added` below) and cancel them when they drop or close.
     subscriptions = KVEventSubscriptions([])
     discoveries = [
         Discovery(pool, [DNSName.parse(n) for n in names], args.discovery_interval)
@@ -178,7 +179,6 @@ async def serve(args: argparse.Namespace) -> int:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await subscriptions.close()
         await prefill.close()
         await decode.close()
 

@@ -69,7 +69,6 @@ class ProxyService(StreamingGenerationService):
             raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
         # How many times one request may move to another decode worker when its own is lost.
         self.migration_limit = migration_limit
-        self.num_migrations = 0
         self.metrics = metrics if metrics is not None else ServerMetrics("proxy")
         self.router = router if router is not None else Router(prefill, decode)
         self.prompt_tokens = PromptTokens(tokenizer, max_model_len)
@@ -111,7 +110,6 @@ class ProxyService(StreamingGenerationService):
                         ) from None
                     failed_decoders.add(lost.address)
                     attempt = _resumed(inner, streamed)
-                    self.num_migrations += 1
                     logger.warning("request_id=%s: decode worker %s lost after %d tokens; migrating (%d of at most %d)",
                                    inner.request_id, lost.address, len(streamed), num_migrations + 1, self.migration_limit)
 

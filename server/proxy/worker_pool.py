@@ -84,7 +84,7 @@ class WorkerPool:
         self.num_leaves = 0
         # Per-worker tasks the pool owns (health watch, KV subscription), by worker.
         self._tasks: dict[WorkerHandle, list[asyncio.Task[None]]] = {}
-        self._on_added: list[Callable[[WorkerHandle], asyncio.Task[None] | None]] = []
+        self._on_added: list[Callable[[WorkerHandle], asyncio.Task[None]]] = []
         self._is_watching = False
 
     def _handle(self, address: str, has_joined: bool = True) -> WorkerHandle:
@@ -130,7 +130,7 @@ class WorkerPool:
 
     # ------------------------------------------------------------ membership
 
-    def on_added(self, start: Callable[[WorkerHandle], asyncio.Task[None] | None]) -> None:
+    def on_added(self, start: Callable[[WorkerHandle], asyncio.Task[None]]) -> None:
         """`start(worker)` runs for every member, present and future; the pool owns the task it returns."""
         self._on_added.append(start)
         for worker in self.workers:
@@ -182,9 +182,8 @@ class WorkerPool:
         await worker.channel.close()
         logger.info("%s worker %s dropped", self.role or "a", worker.address)
 
-    def _own(self, worker: WorkerHandle, task: asyncio.Task[None] | None) -> None:
-        if task is not None:
-            self._tasks.setdefault(worker, []).append(task)
+    def _own(self, worker: WorkerHandle, task: asyncio.Task[None]) -> None:
+        self._tasks.setdefault(worker, []).append(task)
 
     # ------------------------------------------------------------ health
 
