@@ -87,15 +87,13 @@ since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 
 BASE_IMAGE=$BASE_IMAGE scripts/docker_base.sh
 
-# The build context: only what docker/Dockerfile.dockerignore lets in (the legacy builder
-# reads no per-Dockerfile ignore file and would send the whole checkout, .venv included).
-mapfile -t sources < <(sed -n 's|^!\([^*]*\)\(/\*\*\)\{0,1\}$|\1|p' docker/Dockerfile.dockerignore)
+# The build context is the repository root, filtered by .dockerignore (read by BuildKit and
+# by the legacy builder alike): only the package sources are sent.
 builder=$([ "$DOCKER_BUILDKIT" = 1 ] && echo BuildKit || echo "legacy builder")
-say "building $KVSERVICE_IMAGE ($builder, FROM $BASE_IMAGE, context: ${sources[*]})"
+say "building $KVSERVICE_IMAGE ($builder, FROM $BASE_IMAGE)"
 t=$(now)
-tar -c --exclude=__pycache__ --exclude='*.pyc' "${sources[@]}" docker/Dockerfile docker/Dockerfile.dockerignore \
-    | docker build --network host -f docker/Dockerfile ${NO_CACHE:+--no-cache} \
-        --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg TORCH_INDEX_URL= -t "$KVSERVICE_IMAGE" - >"$work/build.log" 2>&1 \
+docker build --network host -f docker/Dockerfile ${NO_CACHE:+--no-cache} \
+        --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg TORCH_INDEX_URL= -t "$KVSERVICE_IMAGE" . >"$work/build.log" 2>&1 \
     || { tail -n 40 "$work/build.log" >&2; die "docker build failed"; }
 BUILD_S=$(since "$t")
 docker run --rm "$KVSERVICE_IMAGE" python -c 'import torch; assert "+cpu" in torch.__version__, torch.__version__' \

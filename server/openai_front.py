@@ -27,6 +27,7 @@ stream has started arrives as one `data: {"error": ...}` event.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -48,6 +49,8 @@ from kvservice.server.openai_protocol import (
     usage,
 )
 from kvservice.v1 import kvservice_pb2 as pb
+
+logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # A body is parsed on the server's event loop: bound it (a prompt of a model's full length
@@ -227,8 +230,9 @@ class OpenAIFront:
                 chunk = await anext(responses, None)
             if include_usage:
                 await _send_event(response, {**meta, "choices": [], "usage": usage(totals)})
-        except ConnectionError:
-            raise  # the client went away (closing `responses` below cancels the request)
+        except ConnectionError:  # the client went away: closing `responses` cancels the request
+            logger.info("%s: the client closed its stream", meta.get("id"))
+            return response
         except Exception as e:
             await _send_event(response, {"error": error_body(e)[1]})
         finally:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import openai
 import pytest
 import pytest_asyncio
-from conftest import local_cluster
+from conftest import all_worker_stats, is_idle, local_cluster, wait_for_stats
 
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
@@ -94,6 +94,24 @@ async def test_streaming_matches_non_streaming(cluster: LocalCluster, client: op
     assert text == full.choices[0].text
     assert finish_reasons[-1] == "length" and set(finish_reasons[:-1]) == {None}
     assert usage is not None and usage.completion_tokens == 6
+
+
+async def test_client_hanging_up_mid_stream_cancels_the_request(cluster: LocalCluster, client: openai.AsyncOpenAI) -> None:
+    """A stream whose client goes away ends its request (every block free) and the front serves on."""
+    workers = [*cluster.prefill_addresses, *cluster.decode_addresses]
+    aborted_before = (await all_worker_stats(cluster.decode_addresses))[cluster.decode_addresses[0]].num_aborted_requests
+    stream = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=120, temperature=0, stream=True, extra_body={"ignore_eos": True},
+    )
+    chunks = 0
+    async for _chunk in stream:
+        chunks += 1
+        if chunks == 2:
+            break
+    await stream.close()  # hang up with ~118 tokens still to come
+    stats = await wait_for_stats(workers, lambda stats: all(is_idle(s) for s in stats.values()), "idle after the hang-up")
+    assert stats[cluster.decode_addresses[0]].num_aborted_requests == aborted_before + 1  # cancelled, not run to the end
+    assert (await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)).choices[0].text is not None
 
 
 async def test_stop_token_ids(cluster: LocalCluster, client: openai.AsyncOpenAI) -> None:
