@@ -14,6 +14,7 @@
 #   (d) under a steady load (kvservice bench serve, openai-chat): decode scaled to 2, timed
 #       from the scale command to the new worker's first finished request (the proxy's
 #       Stats), both decode workers serving, then scaled back to 1; no request failed;
+#       the load's TTFT/TPOT printed per phase (1 worker, scaling up, 2 workers, scaling down);
 #   (e) `compose down -v`, on success and failure alike.
 # Environment: BASE_IMAGE, KVSERVICE_IMAGE (default kvservice:latest), NO_CACHE=1 (build
 # without the layer cache), DOCKER_BUILDKIT (default: BuildKit where `docker buildx` exists,
@@ -174,6 +175,18 @@ def main(cmd, *args):
     elif cmd == "bench-result":
         result = json.load(open(args[0]))
         print(json.dumps({"completed": result["completed"], "failed": result["failed"]}))
+    elif cmd == "phases":  # the load's requests split by when they were sent: boundaries are epochs
+        result, names = json.load(open(args[0])), ["1 decode worker", "scaling up", "2 decode workers", "scaling down to 1"]
+        bounds = [float("-inf"), *(float(a) - result["start_unix"] for a in args[1:]), float("inf")]
+        print(f"  {'phase (by send time)':<20} {'sent':>5} {'done':>5} {'failed':>6} {'mean TTFT':>10} {'p99 TTFT':>9} {'mean TPOT':>10}")
+        for name, lo, hi in zip(names, bounds, bounds[1:]):
+            rs = [r for r in result["requests"] if lo <= r["start"] < hi]
+            ok = [r for r in rs if r["success"] and r["token_times"]]
+            ttft = sorted(1000 * (r["token_times"][0] - r["start"]) for r in ok)
+            tpot = [1000 * (r["token_times"][-1] - r["token_times"][0]) / (len(r["token_times"]) - 1) for r in ok if len(r["token_times"]) > 1]
+            mean = lambda xs: f"{sum(xs) / len(xs):.0f} ms" if xs else "-"
+            p99 = f"{ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]:.0f} ms" if ttft else "-"
+            print(f"  {name:<20} {len(rs):>5} {len(ok):>5} {len(rs) - len(ok):>6} {mean(ttft):>10} {p99:>9} {mean(tpot):>10}")
     else:
         sys.exit(f"unknown command {cmd}")
 
@@ -213,6 +226,8 @@ t=$(now)
 "${COMPOSE[@]}" up -d --no-deps --no-recreate --scale decode=2 decode >>"$work/up.log" 2>&1 || { tail "$work/up.log" >&2; die "scale-up failed"; }
 new=$(check new-worker "$old" "$t" 300) || die "the new decode worker served no request"
 SCALE_S=$(echo "$new" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["seconds"])')
+scale_up_t=$t
+serving_t=$(awk -v a="$t" -v b="$SCALE_S" 'BEGIN { printf "%.3f", a + b }')
 new_id=$(comm -13 <(echo "$old_ids") <("${COMPOSE[@]}" ps -q decode | sort) | head -n1)
 listening=$(docker logs --timestamps "$new_id" 2>&1 | grep -m1 'listening on' | cut -d' ' -f1 || true)
 [ -n "$listening" ] && say "new decode worker's server listening $(awk -v a="$t" -v b="$(date -d "$listening" +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s after the scale command"
@@ -224,6 +239,7 @@ echo "$workers" | "$PY" -c 'import json,sys; w=json.load(sys.stdin); sys.exit(no
 say "both decode workers served requests: $workers"
 kill -0 "$load_pid" 2>/dev/null || die "the load ended before scale-down: raise LOAD_PROMPTS"
 say "scale decode back to 1 (the removed worker drains)"
+scale_down_t=$(now)
 "${COMPOSE[@]}" up -d --no-deps --no-recreate --scale decode=1 decode >>"$work/up.log" 2>&1 || { tail "$work/up.log" >&2; die "scale-down failed"; }
 kill -0 "$load_pid" 2>/dev/null || say "note: the load ended while the worker drained"
 wait "$load_pid" || { load_pid=; die "the load generator failed"; }
@@ -240,3 +256,5 @@ echo "docker_e2e.sh: PASSED"
 printf '  %-46s %6s s\n' "image build ($builder):" "$BUILD_S" "compose up to first answer:" "$STARTUP_S" \
     "scale-up to first request on the new worker:" "$SCALE_S"
 echo "  answers = offline greedy (3/3); load: $result"
+echo "  the load ($LOAD_PROMPTS chat requests at $LOAD_RATE/s, 32 prompt + 16 output tokens) by phase:"
+check phases "$work/load.json" "$scale_up_t" "$serving_t" "$scale_down_t"

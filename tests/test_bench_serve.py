@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import re
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ def _serve_args(*argv: str) -> argparse.Namespace:
 async def test_bench_serve_on_a_prefill_decode_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result_file, plot_dir = tmp_path / "result.json", tmp_path / "plots"
     async with local_cluster("tiny", num_prefill=1, num_decode=1) as cluster:
+        launched_unix = time.time()
         args = _serve_args(
             "--target", cluster.address, "--num-prompts", "8", "--input-len", "40", "--output-len", "8",
             "--request-rate", "20", "--goodput", "e2el:60000", "--disable-tqdm",
@@ -56,6 +58,8 @@ async def test_bench_serve_on_a_prefill_decode_pair(tmp_path: Path, capsys: pyte
         assert result[f"p99_{name}_ms"] >= result[f"median_{name}_ms"] > 0
     assert 0 < result["mean_ttft_ms"] < result["mean_ttst_ms"] < result["mean_e2el_ms"]
     assert [len(r["token_times"]) for r in result["requests"]] == [8] * 8
+    # The first send on the wall clock: after this test began, before the run's end.
+    assert launched_unix < result["start_unix"] < launched_unix + result["duration"] + 60
 
     assert result["kv_transfer_has_receiver"] is True
     assert result["kv_transfer_count"] == 8 and result["kv_transfer_failures"] == 0

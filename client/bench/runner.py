@@ -166,6 +166,8 @@ def result_json(metrics: BenchmarkMetrics, records: Sequence[RequestRecord], ext
         }
         for r in records
     ]
-    return {**metrics_to_result_json(metrics, records, extra), "requests": per_request}
+    # Wall-clock time of t0, so a run can be lined up with events outside it (a scale command).
+    start_unix = t0 + time.time() - time.perf_counter()
+    return {**metrics_to_result_json(metrics, records, extra), "start_unix": start_unix, "requests": per_request}
 
 
