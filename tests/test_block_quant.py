@@ -35,8 +35,9 @@ def _random_weight(num_rows: int, num_cols: int, is_signed: bool, seed: int) -> 
     gen = torch.Generator().manual_seed(seed)
     low, high = (-128, 128) if is_signed else (0, 16)  # Q8_0's codes, Q4_1's
     codes = torch.randint(low, high, (num_rows, num_cols), generator=gen, dtype=torch.int8)
-    scales = torch.rand(num_rows, num_cols // 32, generator=gen) * 0.01
-    mins = torch.zeros_like(scales) if is_signed else -torch.rand(num_rows, num_cols // 32, generator=gen) * 0.08
+    # float16 values, as GGUF stores them.
+    scales = (torch.rand(num_rows, num_cols // 32, generator=gen) * 0.01).half().float()
+    mins = torch.zeros_like(scales) if is_signed else (-torch.rand(num_rows, num_cols // 32, generator=gen) * 0.08).half().float()
     return BlockQuantWeight.from_rows(codes, scales, mins)
 
 

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "norm_rotary.cpp", "block_quant_linear.cpp")]
 # torch caches builds by name and source hash; bump the version when an op's schema changes.
-_EXTENSION_VERSION = "v4"
+_EXTENSION_VERSION = "v5"
 # Vector ISA flags per torch's own CPU capability check. The capability is part of the
 # extension's name, so a cache shared by different CPUs never loads the wrong build.
 _ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]}

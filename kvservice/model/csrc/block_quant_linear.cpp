@@ -1,24 +1,31 @@
 // A linear layer for a few rows of x over a block-quantized weight (GGUF Q4_1, Q8_0).
 //
-// Registered as torch.ops.kvservice.block_quant_linear; kvservice/block_quant.py holds the
-// weight and the PyTorch formula this is tested against.
+// Registered as torch.ops.kvservice.block_quant_linear; kvservice/model/block_quant.py holds
+// the weight and the PyTorch formula this is tested against.
 //
 // W[n, k] = scale[n, k / 32] * code[n, k] + min[n, k / 32], the product and then the sum
 // rounded to float32 (no FMA): exactly the float32 weight the GGUF loader dequantizes; for a
 // bfloat16 x, that value rounded to bfloat16 (to nearest, ties to even, as torch rounds):
 // exactly the loader's bfloat16 weight. Decode at small batch streams every weight once per
-// step, so reading 1.25 bytes a weight instead of 4 (float32, or the float32 copy a bfloat16
-// model computes with where bfloat16 matmuls are emulated) is most of the gain; the rest is
-// register blocking for few rows.
+// step, so the bytes read per weight decide the step time: Q4_1 codes are kept as nibbles and
+// the scales and mins as float16 (GGUF's own, so exact): 0.625 bytes a weight, Q8_0 1.125,
+// against 4 for float32.
 //
-// The weight comes in panels of 16 output rows, k-major, so one k's 16 codes are contiguous:
-// codes:  [P, K, 16] int8        P = N / 16, K a multiple of 32
-// scales: [P, K / 32, 16] float32
-// mins:   [P, K / 32, 16] float32
+// The weight comes in panels of 16 output rows, k-major, so one k's 16 codes are adjacent:
+// codes:  [P, K / 2, 16] uint8, Q4_1: byte j of row i holds k = 2i in its low nibble and
+//         k = 2i + 1 in its high nibble, for output j of the panel;
+//         or [P, K, 16] int8, Q8_0: one signed code a byte
+// scales: [P, K / 32, 16] float16
+// mins:   [P, K / 32, 16] float16
 // x:      [M, K] float32 or bfloat16, contiguous
 // bias:   [N] in x's dtype, or none
-// returns [M, N] in x's dtype: y = x W^T + bias, each dot product accumulated in float32 over
-// k in order, the bias added to it in float32, then rounded once to x's dtype.
+// returns [M, N] in x's dtype: y = x W^T + bias, each dot product accumulated in float32, the
+// bias added to it in float32, then rounded once to x's dtype.
+//
+// Two paths. Up to kDirectRows rows of x (decode of a few requests), each panel's weights are
+// dequantized in registers and used at once: nothing is written back, so the loop runs at the
+// speed the codes stream in. More rows dequantize a chunk of the panel once into an L1 buffer
+// that every row tile then reads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -34,125 +41,238 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;  // output rows per panel: two 8-float vectors
-constexpr int64_t kBlock = 32;  // weights per scale/min
+constexpr int64_t kPanel = 16;   // output rows per panel: one 16-float vector (two with AVX2)
+constexpr int64_t kBlock = 32;   // weights per scale/min
 constexpr int64_t kChunk = 256;  // k per dequantized chunk: 16 KiB of float32, stays in L1
-constexpr int64_t kRowTile = 6;  // rows of x per micro-kernel: 12 accumulators + 2 weights + 1 broadcast
+constexpr int64_t kRowTile = 6;  // rows of x per buffered micro-kernel (AVX2: 12 accumulators)
+constexpr int64_t kDirectRows = 4;
 
-#if defined(__AVX2__) && defined(__FMA__)
-// The float32 values of w rounded to bfloat16 (to nearest, ties to even): the bits added below
-// carry into the kept 16 exactly when the dropped 16 are above half, or at half with an odd
-// kept part. For finite w (weights are: float16 scales and mins times small integers).
-inline __m256 round_to_bf16(__m256 w) {
+// ------------------------------------------------------------------ 16 lanes of float32
+
+#if defined(__AVX512F__)
+struct V16 {
+  __m512 v;
+};
+inline V16 zero16() { return {_mm512_setzero_ps()}; }
+inline V16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store16(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+inline V16 load_half16(const at::Half* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline V16 u8_to_float(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))}; }
+inline V16 i8_to_float(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))}; }
+inline V16 mul16(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 add16(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 fma16(float x, V16 w, V16 acc) { return {_mm512_fmadd_ps(_mm512_set1_ps(x), w.v, acc.v)}; }
+// The float32 values rounded to bfloat16 (to nearest, ties to even): the bits added carry into
+// the kept 16 exactly when the dropped 16 are above half, or at half with an odd kept part.
+// For finite w (weights are: float16 scales and mins times small integers).
+inline V16 round_bf16(V16 w) {
+  const __m512i bits = _mm512_castps_si512(w.v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return {_mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct V16 {
+  __m256 lo, hi;
+};
+inline V16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store16(float* p, V16 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline V16 load_half16(const at::Half* p) {
+  const __m128i* q = reinterpret_cast<const __m128i*>(p);
+  return {_mm256_cvtph_ps(_mm_loadu_si128(q)), _mm256_cvtph_ps(_mm_loadu_si128(q + 1))};
+}
+inline V16 u8_to_float(__m128i b) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
+}
+inline V16 i8_to_float(__m128i b) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
+inline V16 mul16(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 add16(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 fma16(float x, V16 w, V16 acc) {
+  const __m256 xb = _mm256_set1_ps(x);
+  return {_mm256_fmadd_ps(xb, w.lo, acc.lo), _mm256_fmadd_ps(xb, w.hi, acc.hi)};
+}
+inline __m256 round_bf16_8(__m256 w) {
   const __m256i bits = _mm256_castps_si256(w);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
   return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
+inline V16 round_bf16(V16 w) { return {round_bf16_8(w.lo), round_bf16_8(w.hi)}; }
+#else
+#define KVSERVICE_SCALAR_V16 1
+struct V16 {
+  float f[kPanel];
+};
+inline V16 zero16() { return V16{}; }
+inline V16 load16(const float* p) {
+  V16 a;
+  std::copy(p, p + kPanel, a.f);
+  return a;
+}
+inline void store16(float* p, V16 a) { std::copy(a.f, a.f + kPanel, p); }
+inline V16 load_half16(const at::Half* p) {
+  V16 a;
+  for (int64_t n = 0; n < kPanel; ++n) a.f[n] = static_cast<float>(p[n]);
+  return a;
+}
+inline V16 mul16(V16 a, V16 b) {
+  for (int64_t n = 0; n < kPanel; ++n) a.f[n] *= b.f[n];  // rounded: built with -ffp-contract=off
+  return a;
+}
+inline V16 add16(V16 a, V16 b) {
+  for (int64_t n = 0; n < kPanel; ++n) a.f[n] += b.f[n];
+  return a;
+}
+inline V16 fma16(float x, V16 w, V16 acc) {
+  for (int64_t n = 0; n < kPanel; ++n) acc.f[n] += x * w.f[n];
+  return acc;
+}
+inline V16 round_bf16(V16 w) {
+  for (int64_t n = 0; n < kPanel; ++n) w.f[n] = static_cast<float>(c10::BFloat16(w.f[n]));
+  return w;
+}
 #endif
 
-// buf[k, 0:16] = the panel's weights for k in [0, k_len) of this chunk, as float32 values;
-// bfloat16 ones when kBf16.
-template <bool kBf16>
-void dequantize_chunk(const int8_t* codes, const float* scales, const float* mins, int64_t k_len, float* buf) {
-  for (int64_t b = 0; b < k_len / kBlock; ++b) {
-    const float* d = scales + b * kPanel;
-    const float* m = mins + b * kPanel;
-#if defined(__AVX2__) && defined(__FMA__)
-    const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
-    const __m256 m0 = _mm256_loadu_ps(m), m1 = _mm256_loadu_ps(m + 8);
-    for (int64_t j = 0; j < kBlock; ++j) {
-      const int8_t* c = codes + (b * kBlock + j) * kPanel;
-      const __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
-      const __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8))));
-      __m256 w0 = _mm256_add_ps(_mm256_mul_ps(d0, c0), m0), w1 = _mm256_add_ps(_mm256_mul_ps(d1, c1), m1);
-      if constexpr (kBf16) {
-        w0 = round_to_bf16(w0);
-        w1 = round_to_bf16(w1);
-      }
-      float* out = buf + (b * kBlock + j) * kPanel;
-      _mm256_storeu_ps(out, w0);
-      _mm256_storeu_ps(out + 8, w1);
+// ------------------------------------------------------------------ dequantizing codes
+
+// The panel's 16 weights at k and k + 1 (k even, `codes` at k's row): scale * code + min, the
+// product rounded before the sum; bfloat16-rounded when kBf16.
+template <bool kPacked, bool kBf16>
+inline void dequantize_pair(const uint8_t* codes, int64_t k, V16 d, V16 m, V16& w0, V16& w1) {
+#ifdef KVSERVICE_SCALAR_V16
+  for (int64_t n = 0; n < kPanel; ++n) {
+    if constexpr (kPacked) {
+      const uint8_t byte = codes[k / 2 * kPanel + n];
+      w0.f[n] = static_cast<float>(byte & 0x0F);
+      w1.f[n] = static_cast<float>(byte >> 4);
+    } else {
+      w0.f[n] = static_cast<float>(reinterpret_cast<const int8_t*>(codes)[k * kPanel + n]);
+      w1.f[n] = static_cast<float>(reinterpret_cast<const int8_t*>(codes)[(k + 1) * kPanel + n]);
     }
+  }
 #else
-    for (int64_t j = 0; j < kBlock; ++j) {
-      const int8_t* c = codes + (b * kBlock + j) * kPanel;
-      float* out = buf + (b * kBlock + j) * kPanel;
-      for (int64_t n = 0; n < kPanel; ++n) {
-        const float product = d[n] * static_cast<float>(c[n]);  // rounded: built with -ffp-contract=off
-        const float w = product + m[n];
-        out[n] = kBf16 ? static_cast<float>(c10::BFloat16(w)) : w;
-      }
-    }
+  if constexpr (kPacked) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k / 2 * kPanel));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    w0 = u8_to_float(_mm_and_si128(bytes, low));
+    w1 = u8_to_float(_mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+  } else {
+    w0 = i8_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kPanel)));
+    w1 = i8_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (k + 1) * kPanel)));
+  }
 #endif
+  w0 = add16(mul16(d, w0), m);
+  w1 = add16(mul16(d, w1), m);
+  if constexpr (kBf16) {
+    w0 = round_bf16(w0);
+    w1 = round_bf16(w1);
   }
 }
 
-// y[r, 0:16] (+)= sum over k of x[r, k] * buf[k, 0:16], for R rows of x. An FMA's result is
-// ready 4 cycles later and two issue a cycle: 2 R chains cannot keep the units busy for small
-// R, so U interleaved partial sums (k = u mod U) are kept and added at the end. The loops over
-// u and r are unrolled by pragma: left to GCC's heuristics, the accumulator array was kept in
-// memory in some builds (a store per FMA, 2.7x slower at 16 rows).
-template <int R, int U>
-void row_tile(const float* x, int64_t x_stride, const float* buf, int64_t k_len, float* y, int64_t y_stride,
-              bool accumulate) {
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[U][R][2];
-#pragma GCC unroll 8
+// ------------------------------------------------------------------ direct path: few rows
+
+// acc[r, 0:16] = sum over k of x[r, k] * W[panel row, k], for R rows of x, the weights
+// dequantized in registers. U interleaved partial sums (k mod U) keep enough FMA chains in
+// flight for few rows (an FMA's result is ready 4 cycles later and two issue a cycle).
+template <int R, int U, bool kPacked, bool kBf16>
+void direct_panel(const float* x, int64_t x_stride, const uint8_t* codes, const at::Half* scales,
+                  const at::Half* mins, int64_t k_size, float* acc_out, int64_t acc_stride) {
+  static_assert(U == 1 || U == 2 || U == 4, "k is unrolled by 4");
+  V16 acc[U][R];
+#pragma GCC unroll 4
   for (int u = 0; u < U; ++u) {
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const bool load = accumulate && u == 0;
-      acc[u][r][0] = load ? _mm256_loadu_ps(y + r * y_stride) : _mm256_setzero_ps();
-      acc[u][r][1] = load ? _mm256_loadu_ps(y + r * y_stride + 8) : _mm256_setzero_ps();
-    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[u][r] = zero16();
   }
-  for (int64_t k = 0; k < k_len; k += U) {
-#pragma GCC unroll 8
-    for (int u = 0; u < U; ++u) {
-      const float* w = buf + (k + u) * kPanel;
-      const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-#pragma GCC unroll 8
+  for (int64_t b = 0; b < k_size / kBlock; ++b) {
+    const V16 d = load_half16(scales + b * kPanel), m = load_half16(mins + b * kPanel);
+    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += 4) {
+      V16 w0, w1, w2, w3;
+      dequantize_pair<kPacked, kBf16>(codes, k, d, m, w0, w1);
+      dequantize_pair<kPacked, kBf16>(codes, k + 2, d, m, w2, w3);
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const __m256 xb = _mm256_broadcast_ss(x + r * x_stride + k + u);
-        acc[u][r][0] = _mm256_fmadd_ps(xb, w0, acc[u][r][0]);
-        acc[u][r][1] = _mm256_fmadd_ps(xb, w1, acc[u][r][1]);
+        const float* xr = x + r * x_stride + k;
+        acc[0][r] = fma16(xr[0], w0, acc[0][r]);
+        acc[1 % U][r] = fma16(xr[1], w1, acc[1 % U][r]);
+        acc[2 % U][r] = fma16(xr[2], w2, acc[2 % U][r]);
+        acc[3 % U][r] = fma16(xr[3], w3, acc[3 % U][r]);
       }
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 8
-    for (int u = 1; u < U; ++u) {
-      acc[0][r][0] = _mm256_add_ps(acc[0][r][0], acc[u][r][0]);
-      acc[0][r][1] = _mm256_add_ps(acc[0][r][1], acc[u][r][1]);
-    }
-    _mm256_storeu_ps(y + r * y_stride, acc[0][r][0]);
-    _mm256_storeu_ps(y + r * y_stride + 8, acc[0][r][1]);
+#pragma GCC unroll 4
+    for (int u = 1; u < U; ++u) acc[0][r] = add16(acc[0][r], acc[u][r]);
+    store16(acc_out + r * acc_stride, acc[0][r]);
   }
-#else
-  for (int r = 0; r < R; ++r) {
-    float acc[kPanel];
-    for (int64_t n = 0; n < kPanel; ++n) acc[n] = accumulate ? y[r * y_stride + n] : 0.f;
-    for (int64_t k = 0; k < k_len; ++k) {
-      for (int64_t n = 0; n < kPanel; ++n) acc[n] += x[r * x_stride + k] * buf[k * kPanel + n];
-    }
-    for (int64_t n = 0; n < kPanel; ++n) y[r * y_stride + n] = acc[n];
-  }
-#endif
 }
 
-void rows(int64_t num_rows, const float* x, int64_t x_stride, const float* buf, int64_t k_len, float* y,
-          int64_t y_stride, bool accumulate) {
-  switch (num_rows) {  // U: at least 8 chains where it fits in 16 vector registers
-    case 1: return row_tile<1, 4>(x, x_stride, buf, k_len, y, y_stride, accumulate);
-    case 2: return row_tile<2, 2>(x, x_stride, buf, k_len, y, y_stride, accumulate);
-    case 3: return row_tile<3, 1>(x, x_stride, buf, k_len, y, y_stride, accumulate);
-    case 4: return row_tile<4, 1>(x, x_stride, buf, k_len, y, y_stride, accumulate);
-    case 5: return row_tile<5, 1>(x, x_stride, buf, k_len, y, y_stride, accumulate);
-    default: return row_tile<kRowTile, 1>(x, x_stride, buf, k_len, y, y_stride, accumulate);
+template <bool kPacked, bool kBf16>
+void direct_rows(int64_t num_rows, const float* x, int64_t x_stride, const uint8_t* codes, const at::Half* scales,
+                 const at::Half* mins, int64_t k_size, float* acc, int64_t acc_stride) {
+  switch (num_rows) {  // U * R chains: 4 or more
+    case 1: return direct_panel<1, 4, kPacked, kBf16>(x, x_stride, codes, scales, mins, k_size, acc, acc_stride);
+    case 2: return direct_panel<2, 2, kPacked, kBf16>(x, x_stride, codes, scales, mins, k_size, acc, acc_stride);
+    case 3: return direct_panel<3, 2, kPacked, kBf16>(x, x_stride, codes, scales, mins, k_size, acc, acc_stride);
+    default: return direct_panel<4, 1, kPacked, kBf16>(x, x_stride, codes, scales, mins, k_size, acc, acc_stride);
   }
 }
+
+// ------------------------------------------------------------------ buffered path: more rows
+
+// buf[k, 0:16] = the panel's weights for k in [k0, k0 + k_len), as float32 values.
+template <bool kPacked, bool kBf16>
+void dequantize_chunk(const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t k0, int64_t k_len,
+                      float* buf) {
+  for (int64_t b = k0 / kBlock; b < (k0 + k_len) / kBlock; ++b) {
+    const V16 d = load_half16(scales + b * kPanel), m = load_half16(mins + b * kPanel);
+    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += 2) {
+      V16 w0, w1;
+      dequantize_pair<kPacked, kBf16>(codes, k, d, m, w0, w1);
+      store16(buf + (k - k0) * kPanel, w0);
+      store16(buf + (k - k0 + 1) * kPanel, w1);
+    }
+  }
+}
+
+// y[r, 0:16] (+)= sum over k of x[r, k] * buf[k, 0:16], for R rows of x.
+template <int R>
+void buffered_tile(const float* x, int64_t x_stride, const float* buf, int64_t k_len, float* y, int64_t y_stride,
+                   bool accumulate) {
+  V16 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = accumulate ? load16(y + r * y_stride) : zero16();
+  for (int64_t k = 0; k < k_len; ++k) {
+    const V16 w = load16(buf + k * kPanel);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = fma16(x[r * x_stride + k], w, acc[r]);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) store16(y + r * y_stride, acc[r]);
+}
+
+void buffered_rows(int64_t num_rows, const float* x, int64_t x_stride, const float* buf, int64_t k_len, float* y,
+                   int64_t y_stride, bool accumulate) {
+  switch (num_rows) {
+    case 1: return buffered_tile<1>(x, x_stride, buf, k_len, y, y_stride, accumulate);
+    case 2: return buffered_tile<2>(x, x_stride, buf, k_len, y, y_stride, accumulate);
+    case 3: return buffered_tile<3>(x, x_stride, buf, k_len, y, y_stride, accumulate);
+    case 4: return buffered_tile<4>(x, x_stride, buf, k_len, y, y_stride, accumulate);
+    case 5: return buffered_tile<5>(x, x_stride, buf, k_len, y, y_stride, accumulate);
+    default: return buffered_tile<kRowTile>(x, x_stride, buf, k_len, y, y_stride, accumulate);
+  }
+}
+
+// ------------------------------------------------------------------ the op
 
 // y[r, n] = acc[r, n] (+ bias[n]) rounded to scalar_t, for one panel's 16 columns; y may be acc.
 template <typename scalar_t>
@@ -166,20 +286,29 @@ void store_panel(const float* acc, int64_t m_size, int64_t stride, const scalar_
 }
 
 // acc [M, N] float32 = x W^T, then y = acc + bias in scalar_t, panel by panel.
-template <typename scalar_t, bool kBf16>
-void linear_panels(const float* x, int64_t m_size, int64_t k_size, const int8_t* codes, const float* scales,
-                   const float* mins, int64_t num_panels, const scalar_t* bias, float* acc, scalar_t* y) {
+template <typename scalar_t, bool kPacked, bool kBf16>
+void linear_panels(const float* x, int64_t m_size, int64_t k_size, const uint8_t* codes, const at::Half* scales,
+                   const at::Half* mins, int64_t num_panels, const scalar_t* bias, float* acc, scalar_t* y) {
   const int64_t n_size = num_panels * kPanel;
+  const int64_t panel_code_bytes = kPacked ? k_size / 2 * kPanel : k_size * kPanel;
+  const int64_t panel_blocks = k_size / kBlock * kPanel;
   at::parallel_for(0, num_panels, 16, [&](int64_t begin, int64_t end) {
     alignas(64) float buf[kChunk * kPanel];
     for (int64_t p = begin; p < end; ++p) {
-      for (int64_t k0 = 0; k0 < k_size; k0 += kChunk) {
-        const int64_t k_len = std::min(kChunk, k_size - k0);
-        dequantize_chunk<kBf16>(codes + (p * k_size + k0) * kPanel, scales + (p * k_size + k0) / kBlock * kPanel,
-                                mins + (p * k_size + k0) / kBlock * kPanel, k_len, buf);
-        for (int64_t r0 = 0; r0 < m_size; r0 += kRowTile) {
-          rows(std::min(kRowTile, m_size - r0), x + r0 * k_size + k0, k_size, buf, k_len,
-               acc + r0 * n_size + p * kPanel, n_size, k0 > 0);
+      const uint8_t* panel_codes = codes + p * panel_code_bytes;
+      const at::Half* panel_scales = scales + p * panel_blocks;
+      const at::Half* panel_mins = mins + p * panel_blocks;
+      if (m_size <= kDirectRows) {
+        direct_rows<kPacked, kBf16>(m_size, x, k_size, panel_codes, panel_scales, panel_mins, k_size, acc + p * kPanel,
+                                    n_size);
+      } else {
+        for (int64_t k0 = 0; k0 < k_size; k0 += kChunk) {
+          const int64_t k_len = std::min(kChunk, k_size - k0);
+          dequantize_chunk<kPacked, kBf16>(panel_codes, panel_scales, panel_mins, k0, k_len, buf);
+          for (int64_t r0 = 0; r0 < m_size; r0 += kRowTile) {
+            buffered_rows(std::min(kRowTile, m_size - r0), x + r0 * k_size + k0, k_size, buf, k_len,
+                          acc + r0 * n_size + p * kPanel, n_size, k0 > 0);
+          }
         }
       }
       store_panel(acc + p * kPanel, m_size, n_size, bias == nullptr ? nullptr : bias + p * kPanel, y + p * kPanel);
@@ -187,36 +316,17 @@ void linear_panels(const float* x, int64_t m_size, int64_t k_size, const int8_t*
   });
 }
 
-at::Tensor block_quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                              const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
-  const bool is_bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (is_bf16 || x.scalar_type() == at::kFloat),
-              "x must be a contiguous float32 or bfloat16 [M, K] tensor");
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kPanel && codes.is_contiguous() && codes.scalar_type() == at::kChar,
-              "codes must be a contiguous int8 [P, K, 16] tensor");
-  const int64_t num_panels = codes.size(0), k_size = codes.size(1), m_size = x.size(0);
-  TORCH_CHECK(x.size(1) == k_size && k_size % kBlock == 0, "x [M, K] and codes [P, K, 16] disagree, or K % 32 != 0");
-  for (const at::Tensor* t : {&scales, &mins}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == num_panels &&
-                    t->size(1) == k_size / kBlock && t->size(2) == kPanel,
-                "scales and mins must be contiguous float32 [P, K / 32, 16] tensors");
-  }
-  const int64_t n_size = num_panels * kPanel;
+template <bool kPacked>
+at::Tensor linear(const at::Tensor& x, const uint8_t* codes, const at::Half* scales, const at::Half* mins,
+                  int64_t num_panels, int64_t k_size, const c10::optional<at::Tensor>& bias) {
+  const int64_t m_size = x.size(0), n_size = num_panels * kPanel;
   const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n_size && bias->is_contiguous() &&
-                    bias->scalar_type() == x.scalar_type(),
-                "bias must be a contiguous [N] tensor of x's dtype");
-  }
   auto y = at::empty({m_size, n_size}, x.options());
   if (m_size == 0) return y;
-  const int8_t* codes_ptr = codes.data_ptr<int8_t>();
-  const float* scales_ptr = scales.data_ptr<float>();
-  const float* mins_ptr = mins.data_ptr<float>();
-  if (!is_bf16) {  // accumulates in y itself
+  if (x.scalar_type() == at::kFloat) {  // accumulates in y itself
     float* y_ptr = y.data_ptr<float>();
-    linear_panels<float, false>(x.data_ptr<float>(), m_size, k_size, codes_ptr, scales_ptr, mins_ptr, num_panels,
-                                has_bias ? bias->data_ptr<float>() : nullptr, y_ptr, y_ptr);
+    linear_panels<float, kPacked, false>(x.data_ptr<float>(), m_size, k_size, codes, scales, mins, num_panels,
+                                         has_bias ? bias->data_ptr<float>() : nullptr, y_ptr, y_ptr);
     return y;
   }
   // bfloat16 -> float32 is exact: the products and sums are the float32 path's.
@@ -224,10 +334,38 @@ at::Tensor block_quant_linear(const at::Tensor& x, const at::Tensor& codes, cons
   std::vector<float> x_float(m_size * k_size);
   for (int64_t i = 0; i < m_size * k_size; ++i) x_float[i] = static_cast<float>(x_bf16[i]);
   std::vector<float> acc(m_size * n_size);
-  linear_panels<c10::BFloat16, true>(x_float.data(), m_size, k_size, codes_ptr, scales_ptr, mins_ptr, num_panels,
-                                     has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr, acc.data(),
-                                     y.data_ptr<c10::BFloat16>());
+  linear_panels<c10::BFloat16, kPacked, true>(x_float.data(), m_size, k_size, codes, scales, mins, num_panels,
+                                              has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr, acc.data(),
+                                              y.data_ptr<c10::BFloat16>());
   return y;
+}
+
+at::Tensor block_quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                              const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
+  const bool is_bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (is_bf16 || x.scalar_type() == at::kFloat),
+              "x must be a contiguous float32 or bfloat16 [M, K] tensor");
+  const bool packed = codes.scalar_type() == at::kByte;
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kPanel && codes.is_contiguous() &&
+                  (packed || codes.scalar_type() == at::kChar),
+              "codes must be a contiguous uint8 [P, K / 2, 16] (4-bit pairs) or int8 [P, K, 16] tensor");
+  const int64_t num_panels = codes.size(0), k_size = packed ? 2 * codes.size(1) : codes.size(1);
+  TORCH_CHECK(x.size(1) == k_size && k_size % kBlock == 0, "x [M, K] and codes disagree on K, or K % 32 != 0");
+  for (const at::Tensor* t : {&scales, &mins}) {
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == num_panels &&
+                    t->size(1) == k_size / kBlock && t->size(2) == kPanel,
+                "scales and mins must be contiguous float16 [P, K / 32, 16] tensors");
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == num_panels * kPanel && bias->is_contiguous() &&
+                    bias->scalar_type() == x.scalar_type(),
+                "bias must be a contiguous [N] tensor of x's dtype");
+  }
+  const uint8_t* codes_ptr = static_cast<const uint8_t*>(codes.data_ptr());
+  const at::Half* scales_ptr = scales.data_ptr<at::Half>();
+  const at::Half* mins_ptr = mins.data_ptr<at::Half>();
+  return packed ? linear<true>(x, codes_ptr, scales_ptr, mins_ptr, num_panels, k_size, bias)
+                : linear<false>(x, codes_ptr, scales_ptr, mins_ptr, num_panels, k_size, bias);
 }
 
 }  // namespace
