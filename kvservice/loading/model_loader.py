@@ -5,7 +5,9 @@ Nothing is ever downloaded: `tiny` is seeded random weights and a byte-level tok
 directory with config.json and safetensors, or one `.gguf` file (see `gguf_loader`).
 Both formats end as a Hugging Face state dict that `_build_model` loads; a float32 GGUF model
 on CPU (bfloat16 too, on a CPU without bfloat16 matmuls) also keeps its Q4_1/Q8_0 blocks for
-small-batch matmuls (`kvservice.model.block_quant`).
+small-batch matmuls (`kvservice.model.block_quant`). A large GGUF file is converted once:
+its config, tokenizer and fused weights are kept on disk and memory-mapped by later
+processes (`converted_cache`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvservice.config import ModelConfig, ModelLoadError
+from kvservice.loading import converted_cache
 from kvservice.loading.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from kvservice.model.block_quant import BlockQuantWeight
-from kvservice.model.model import CausalLM, RotaryEmbedding, fuse_checkpoint_weights, is_block_quant_faster
+from kvservice.model.model import CausalLM, fuse_checkpoint_weights, is_block_quant_faster
 
 if TYPE_CHECKING:
     from kvservice.loading.gguf_loader import BlockRows
@@ -84,7 +87,14 @@ def load_model_config(model: str) -> ModelConfig:
     if path.is_file():
         from kvservice.loading.gguf_loader import gguf_model_config, open_gguf
 
-        return gguf_model_config(open_gguf(path))
+        entry = converted_cache.entry_for(path)
+        cached = None if entry is None else converted_cache.read_config(entry)
+        if cached is not None:
+            return cached
+        config = gguf_model_config(open_gguf(path))
+        if entry is not None:
+            converted_cache.write_config(entry, config)
+        return config
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"model {model!r}: missing config.json")
@@ -107,14 +117,9 @@ def load_model(model: str, dtype: str = "auto", device: str = "cpu", max_positio
     if model == TINY_MODEL:
         net = _tiny_model(config, positions)
     elif (path := model_path(model)).is_file():
-        from kvservice.loading.gguf_loader import gguf_block_quant_rows, gguf_state_dict, open_gguf
-
-        file = open_gguf(path)
-        net = _build_model(gguf_state_dict(file, config, torch_dtype), config, positions, path)
-        if dev.type == "cpu" and is_block_quant_faster(torch_dtype):
-            net.use_block_quant(_block_quant_weights(gguf_block_quant_rows(file, config), config))
+        net = _gguf_model(path, config, torch_dtype, positions, dev.type == "cpu" and is_block_quant_faster(torch_dtype))
     else:
-        net = _build_model(_read_safetensors(path), config, positions, path)
+        net = _build_model(fuse_checkpoint_weights(_read_safetensors(path), config.num_hidden_layers), config, positions, path)
     tokenizer, name = load_tokenizer(model), model_name(model)
     net = net.to(device=dev, dtype=torch_dtype).eval()
     # The rope tables stay float32 whatever the weights' dtype; they are cast per step.
@@ -132,7 +137,14 @@ def load_tokenizer(model: str) -> Tokenizer | None:
         from kvservice.loading.gguf_loader import open_gguf
         from kvservice.loading.gguf_tokenizer import gguf_tokenizer
 
-        return gguf_tokenizer(open_gguf(path))
+        entry = converted_cache.entry_for(path)
+        cached = None if entry is None else converted_cache.read_tokenizer(entry)
+        if cached is not None:
+            return cached
+        tokenizer = gguf_tokenizer(open_gguf(path))
+        if entry is not None and tokenizer is not None:
+            converted_cache.write_tokenizer(entry, tokenizer)
+        return tokenizer
     return _hf_tokenizer(path)
 
 
@@ -221,6 +233,29 @@ def _block_quant_weights(rows: dict[str, BlockRows], config: ModelConfig) -> dic
     return weights
 
 
+def _gguf_model(
+    path: pathlib.Path, config: ModelConfig, dtype: torch.dtype, max_positions: int, use_blocks: bool
+) -> CausalLM:
+    """A GGUF file's model: from its converted entry when there is one, else converted now
+    (and the entry written, block-quantized weights included, for the next process)."""
+    entry = converted_cache.entry_for(path)
+    cached = None if entry is None else converted_cache.read_weights(entry, dtype)
+    if cached is not None:
+        state, blocks = cached
+    else:
+        from kvservice.loading.gguf_loader import gguf_block_quant_rows, gguf_state_dict, open_gguf
+
+        file = open_gguf(path)
+        state = fuse_checkpoint_weights(gguf_state_dict(file, config, dtype), config.num_hidden_layers)
+        blocks = _block_quant_weights(gguf_block_quant_rows(file, config), config) if use_blocks or entry else {}
+        if entry is not None:
+            converted_cache.write_weights(entry, dtype, state, blocks)
+    net = _build_model(state, config, max_positions, path)
+    if use_blocks:
+        net.use_block_quant(blocks)
+    return net
+
+
 def _tiny_model(config: ModelConfig, max_positions: int) -> CausalLM:
     gen = torch.Generator().manual_seed(TINY_SEED)
     net = CausalLM(config, max_positions)
@@ -256,8 +291,8 @@ def _read_safetensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
 def _build_model(
     state: dict[str, torch.Tensor], config: ModelConfig, max_positions: int, path: pathlib.Path
 ) -> CausalLM:
-    """The model holding `state`, a checkpoint under Hugging Face's names (from safetensors or GGUF)."""
-    state = fuse_checkpoint_weights(state, config.num_hidden_layers)
+    """The model holding `state`, a checkpoint under Hugging Face's names (from safetensors or
+    GGUF) with q/k/v and gate/up fused (`fuse_checkpoint_weights`)."""
     with torch.device("meta"):
         net = CausalLM(config, max_positions)
     result = net.load_state_dict(state, strict=False, assign=True)
@@ -269,5 +304,4 @@ def _build_model(
     unexpected = [k for k in result.unexpected_keys if "rotary_emb" not in k]
     if unexpected:
         raise ModelLoadError(f"model {str(path)!r}: unexpected weight {unexpected[0]}")
-    net.rotary = RotaryEmbedding(config, max_positions)
     return net

@@ -171,9 +171,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(cfg)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        # Computed, never loaded: on the CPU even while the model is built on the meta device
+        # (where these ops would pull in torch's meta registrations, about a second).
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(cfg)
+            freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
@@ -239,10 +242,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+class Embedding(nn.Module):
+    """nn.Embedding's lookup without its random init: the weights always come from a
+    checkpoint (or the tiny model's seeded init), and nn.Embedding's init, built on the meta
+    device, imports torch._dynamo (about a second of every server's start-up)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(input_ids, self.weight)
+
+
 class DecoderStack(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
