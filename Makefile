@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	# Build the C++ CPU kernels once now (cached), so no server start waits for the compiler;
 	# the engine falls back to PyTorch where the build fails.
 	$(PY) -c "from kvservice.model.cpu_kernels import load_cpu_kernels; print('CPU kernels:', 'built' if load_cpu_kernels() else 'unavailable (PyTorch fallback)')"
+	# Convert SmolLM2's GGUF once now (~/.cache/kvservice/converted), so servers memory-map it.
+	$(PY) -c "from kvservice.loading.model_loader import load_model; load_model('smollm2'); print('SmolLM2: converted')"
 	touch $(STAMP)
 
 demo: setup

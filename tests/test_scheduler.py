@@ -29,8 +29,10 @@ def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int = 4, *
     )
 
 
-def make_scheduler(num_blocks: int, block_size: int, max_num_seqs: int = 8, budget: int = 64) -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, block_size), max_num_seqs, budget)
+def make_scheduler(
+    num_blocks: int, block_size: int, max_num_seqs: int = 8, budget: int = 64, prefill_cap: int | None = None
+) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, block_size), max_num_seqs, budget, max_prefill_tokens_with_decode=prefill_cap)
 
 
 def fake_token(request: Request) -> int:
@@ -109,6 +111,37 @@ def test_long_prompt_is_prefilled_in_chunks() -> None:
     assert scheduled_tokens(out) == {"long": 8}
     assert [o.new_token_ids for o in outputs] == [[request.output_token_ids[0]]]
     assert len(sched.kv.get_block_ids("long")) == 10
+
+
+def test_prompts_are_capped_while_requests_decode() -> None:
+    """The cap bounds every step's prompt tokens while a request decodes, and only then."""
+    sched = make_scheduler(num_blocks=64, block_size=4, budget=64, prefill_cap=8)
+    sched.add_request(make_request("a", 30, max_tokens=20))
+    out, _ = step(sched)
+    assert scheduled_tokens(out) == {"a": 30}  # nothing decodes yet: the whole budget
+    sched.add_request(make_request("b", 20, max_tokens=4))
+    sched.add_request(make_request("c", 5, max_tokens=4))
+    chunks = []
+    for _ in range(3):
+        out, _ = step(sched)
+        tokens = scheduled_tokens(out)
+        assert tokens["a"] == 1  # a decodes every step
+        chunks.append({k: v for k, v in tokens.items() if k != "a"})
+    assert chunks == [{"b": 8}, {"b": 8}, {"b": 4, "c": 4}]  # 8 prompt tokens a step, b's chunks first
+
+
+def test_decodes_go_before_a_running_prompts_chunks() -> None:
+    """A long prompt admitted earlier does not take the budget from requests behind it that decode."""
+    sched = make_scheduler(num_blocks=64, block_size=4, budget=12)
+    sched.add_request(make_request("a", 4, max_tokens=20))
+    step(sched)
+    sched.add_request(make_request("long", 60, max_tokens=2))
+    sched.add_request(make_request("b", 3, max_tokens=20))
+    out, _ = step(sched)
+    assert scheduled_tokens(out) == {"a": 1, "long": 11}
+    sched.running.reverse()  # long now runs before a: decode order must not depend on it
+    out, _ = step(sched)
+    assert scheduled_tokens(out) == {"a": 1, "long": 11}
 
 
 # ------------------------------------------------------------ preemption
@@ -316,6 +349,7 @@ def test_duplicate_request_id_is_refused() -> None:
     num_blocks_extra=st.integers(0, 12),
     max_num_seqs=st.integers(1, 6),
     budget=st.integers(1, 48),
+    prefill_cap=st.one_of(st.none(), st.integers(1, 24)),
     requests=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12)), min_size=1, max_size=10),
 )
 def test_any_workload_finishes_within_limits_with_recompute_proof_output(
@@ -323,11 +357,12 @@ def test_any_workload_finishes_within_limits_with_recompute_proof_output(
     num_blocks_extra: int,
     max_num_seqs: int,
     budget: int,
+    prefill_cap: int | None,
     requests: list[tuple[int, int]],
 ) -> None:
     largest = max(cdiv(p + m, block_size) for p, m in requests)
     num_blocks = largest + num_blocks_extra
-    sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget)
+    sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget, prefill_cap)
     reqs = [make_request(f"r{i}", p, max_tokens=m, ignore_eos=True) for i, (p, m) in enumerate(requests)]
     for r in reqs:
         sched.add_request(r)
@@ -335,8 +370,11 @@ def test_any_workload_finishes_within_limits_with_recompute_proof_output(
     for _ in range(5000):
         if not sched.num_unfinished:
             break
+        decoding_before = any(r.num_tokens - r.num_computed_tokens <= 1 for r in sched.running)
         out, _ = step(sched)
         assert out.num_scheduled_tokens <= budget
+        if decoding_before and prefill_cap is not None:  # chunks of more than one token are prompt chunks
+            assert sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1) <= prefill_cap
         assert len(out.scheduled) <= max_num_seqs and len(sched.running) <= max_num_seqs
         tables = {r.request_id: sched.kv.get_block_ids(r.request_id) for r in sched.running}
         owned = [b for t in tables.values() for b in t]

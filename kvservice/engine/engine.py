@@ -89,6 +89,7 @@ class LLMEngine:
             config.kv_load_failure_policy,
             self.model_config.vocab_size,
             config.num_speculative_tokens,
+            config.max_prefill_tokens_with_decode,
         )
         drafter = None
         if self.draft is not None:

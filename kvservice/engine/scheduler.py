@@ -1,10 +1,13 @@
 """Continuous batching: which requests run this step, and with how many tokens. No torch.
 
-Each step has a token budget (`max_num_batched_tokens`). Running requests go first
-(a decode token, or the next chunk of a long prompt), then waiting ones, in arrival
-order, while the budget, `max_num_seqs` and free blocks allow. When a running request
-needs a block and none is free, the most recently admitted running request is
-preempted: its blocks are freed and it is recomputed later from its tokens so far.
+Each step has a token budget (`max_num_batched_tokens`). Decoding requests go first (one
+token each), then the next chunks of running prompts, then waiting requests in arrival
+order, while the budget, `max_num_seqs` and free blocks allow. While any request decodes,
+the prompt tokens of a step are capped too (`max_prefill_tokens_with_decode`): a step's
+time grows with its prompt tokens, and every decoding request waits for the whole step,
+so the cap bounds the inter-token latency that arriving prompts cause. When a request
+needs a block and none is free, the most recently admitted request not yet scheduled in
+this step is preempted: its blocks are freed and it is recomputed later from its tokens so far.
 
 A waiting request starts after its longest cached prefix (automatic prefix caching):
 it shares those blocks and computes the rest, always at least its last token, whose
@@ -43,10 +46,13 @@ class Scheduler:
         kv_load_failure_policy: str = "recompute",
         vocab_size: int | None = None,
         num_lookahead_tokens: int = 0,
+        max_prefill_tokens_with_decode: int | None = None,
     ) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # None: no cap beyond the step's budget.
+        self.max_prefill_tokens_with_decode = max_prefill_tokens_with_decode or max_num_batched_tokens
         self.connector = connector
         self.kv_load_failure_policy = kv_load_failure_policy
         self.vocab_size = vocab_size  # bounds a first token that a remote prefill sends
@@ -135,31 +141,41 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        scheduled_ids: set[str] = set()
         preempted: set[str] = set()
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        prefill_budget = self.max_prefill_tokens_with_decode if decoding else budget
+        for request in [*decoding, *prefilling]:
+            if budget <= 0 or request.status is not RequestStatus.RUNNING:
+                continue  # out of budget, or preempted for an earlier request this step
+            is_prefill = request.num_tokens - request.num_computed_tokens > 1
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, prefill_budget if is_prefill else budget)
+            if num_new <= 0:
+                continue
             spec = self._take_spec_tokens(request, budget)
             num_new += len(spec)
             block_ids = self.kv.allocate_slots(request, num_new + self._lookahead(request, num_new))
             while block_ids is None:
-                victim = self.running.pop()
+                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled_ids)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is request:
                     break
                 block_ids = self.kv.allocate_slots(request, num_new + self._lookahead(request, num_new))
             if block_ids is None:
-                break
+                continue
             scheduled.append(ScheduledRequest(request, num_new, block_ids, spec))
+            scheduled_ids.add(request.request_id)
             budget -= num_new
-            i += 1
+            if is_prefill:
+                prefill_budget -= num_new
 
         # Admit waiting requests only when nothing was preempted: preemption means
         # memory is short, and admitting more would only thrash.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting and min(budget, prefill_budget) > 0 and not preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             assert request.num_computed_tokens == 0 and not self.kv.get_block_ids(request.request_id)
             cached = self._find_cached_prefix(request)
@@ -170,7 +186,7 @@ class Scheduler:
                 self.waiting.popleft()
                 continue
             num_cached = len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = min(request.num_tokens - num_cached, budget, prefill_budget)
             block_ids = self.kv.allocate_slots(request, num_new + self._lookahead(request, num_cached + num_new), cached)
             if block_ids is None:
                 break
@@ -180,6 +196,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new, block_ids))
             budget -= num_new
+            prefill_budget -= num_new
 
         output = SchedulerOutput(
             scheduled=scheduled,

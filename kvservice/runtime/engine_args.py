@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvservice.config import KV_LOAD_FAILURE_POLICIES, SUPPORTED_DTYPES, EngineConfig
+from kvservice.config import DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE, KV_LOAD_FAILURE_POLICIES, SUPPORTED_DTYPES, EngineConfig
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -24,6 +24,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> list[argparse.Actio
         group.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache size in MiB when --num-blocks is not given (default: 256)"),
         group.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step (default: 64)"),
         group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default: 2048)"),
+        group.add_argument(
+            "--max-prefill-tokens-with-decode", type=int, default=DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE, metavar="N",
+            help="prompt tokens one step computes while requests are decoding: longer prompts are chunked so "
+            "running streams keep a short inter-token latency; 0: no cap but --max-num-batched-tokens "
+            f"(default: {DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE})",
+        ),
         group.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)"),
         group.add_argument(
             "--kv-load-failure-policy", default="recompute", choices=KV_LOAD_FAILURE_POLICIES,
@@ -51,6 +57,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_mib << 20,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode or None,
         max_model_len=args.max_model_len,
         device=args.device,
         dtype=args.dtype,
