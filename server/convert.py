@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvservice.core.block_pool import KVCacheEvent
 from kvservice.core.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
-from kvservice.engine.engine import RequestOutput
 from kvservice.loading.chat_template import ChatPrompt, Prompt, ResumedPrompt
 from kvservice.runtime.finish_reason import finish_reason_to_proto
 from kvservice.v1 import kvservice_pb2 as pb
+
+if TYPE_CHECKING:  # the engine (torch) only where one runs, not in the proxy
+    from kvservice.engine.engine import RequestOutput
 
 DEFAULT_MAX_TOKENS = 16
 

@@ -6,12 +6,8 @@ import asyncio
 
 import grpc
 
-from kvservice.connector.transfer_registry import (
-    StagingExhausted,
-    TransferDenied,
-    TransferNotFound,
-)
-from kvservice.engine.async_engine import EngineDeadError, QueueFull
+from kvservice.connector.transfer_errors import StagingExhausted, TransferDenied, TransferNotFound
+from kvservice.engine.errors import EngineDeadError, QueueFull
 from kvservice.server.kv_events import PublisherClosed, SubscriberTooSlow
 
 

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from kvservice.core.sampling_params import SamplingParams
-from kvservice.engine.async_engine import AsyncLLMEngine
 from kvservice.loading.chat_template import Prompt
 from kvservice.server.convert import response_from_output
 from kvservice.server.errors import RequestFailed, abort_with
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # the engine (torch) only where one runs, not in the proxy
+    from kvservice.engine.async_engine import AsyncLLMEngine
 
 
 def new_request_id() -> str:

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
+from kvservice.runtime.grpc_options import GRPC_OPTIONS
 from kvservice.v1 import kvservice_pb2 as pb
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,8 @@ from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import TransferRegistry
 from kvservice.engine.async_engine import AsyncLLMEngine
 from kvservice.engine.engine import LLMEngine
-from kvservice.loading.model_loader import ModelLoadError, load_model_config, resolve_dtype
+from kvservice.loading.model_files import load_model_config
+from kvservice.loading.model_loader import ModelLoadError, resolve_dtype
 from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.runtime import engine_args
 from kvservice.runtime.event_loop import run_event_loop

@@ -28,7 +28,7 @@ from kvservice.core.kv_cache_manager import cdiv
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine, RequestOutput
 from kvservice.engine.llm import LLM
-from kvservice.loading.model_loader import TINY_CONFIG
+from kvservice.loading.model_files import TINY_CONFIG
 from kvservice.model.kv_cache import KVCacheLayout
 
 BLOCK_SIZE = 8

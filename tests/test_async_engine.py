@@ -18,7 +18,7 @@ from kvservice.connector.decode_connector import REMOTE_ADDRESS, TRANSFER_TOKEN,
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from kvservice.engine.engine import LLMEngine
-from kvservice.loading.model_loader import load_model_config
+from kvservice.loading.model_files import load_model_config
 from kvservice.model.kv_cache import KVCacheLayout
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]

@@ -37,7 +37,7 @@ def test_bench_engine_reports_both_sides() -> None:
 def test_random_smollm2_has_the_shape_the_loader_reads_from_the_gguf() -> None:
     """The bench keeps SmolLM2's shape for machines without the GGUF; it must stay the real one."""
     from kvservice.client.bench.engine import SMOLLM2_SHAPE, hf_config_arguments
-    from kvservice.loading.model_loader import SMOLLM2_MODEL, load_model_config
+    from kvservice.loading.model_files import SMOLLM2_MODEL, load_model_config
 
     real = hf_config_arguments(load_model_config(SMOLLM2_MODEL))
     assert real.keys() == SMOLLM2_SHAPE.keys()

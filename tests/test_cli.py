@@ -171,9 +171,10 @@ async def test_health_unreachable_exits_nonzero(capsys: pytest.CaptureFixture[st
     assert "UNAVAILABLE" in stderr or "DEADLINE_EXCEEDED" in stderr
 
 
-@pytest.mark.parametrize("command", ["health", "stats", "generate", "chat"])
-async def test_client_commands_do_not_import_torch(command: str) -> None:
-    """A container's health check runs `kvservice health` every few seconds: no torch import (~1.5 s of CPU)."""
+@pytest.mark.parametrize("command", ["health", "stats", "generate", "chat", "proxy"])
+async def test_client_commands_and_the_proxy_do_not_import_torch(command: str) -> None:
+    """A container's health check runs `kvservice health` every few seconds, and a launch waits
+    for its proxy: neither imports torch (~1 s of CPU)."""
     probe = f"import sys; from kvservice.cli import build_parser; build_parser({command!r}); print(sorted({{'torch', 'numpy'}} & set(sys.modules)))"
     code, stdout, stderr = await run(sys.executable, "-c", probe)
     assert code == 0, stderr

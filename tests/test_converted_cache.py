@@ -13,7 +13,8 @@ from gguf_models import GGUFSpec, GGUFTokenizerSpec, random_state, sentencepiece
 
 from kvservice import LLM, SamplingParams
 from kvservice.loading import converted_cache, gguf_loader
-from kvservice.loading.model_loader import load_model, load_model_config, load_tokenizer
+from kvservice.loading.model_files import load_model_config, load_tokenizer
+from kvservice.loading.model_loader import load_model
 
 SPEC = GGUFSpec(arch="llama", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -22,13 +22,11 @@ from hypothesis import strategies as st
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
 from kvservice.connector import wire
-from kvservice.connector.kv_transfer_service import (
-    GRPC_OPTIONS,
-    MAX_MESSAGE_BYTES,
-    PULL_KV_METHOD,
-)
-from kvservice.loading.model_loader import load_model_config, resolve_dtype
+from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
+from kvservice.loading.model_files import load_model_config
+from kvservice.loading.model_loader import resolve_dtype
 from kvservice.model.kv_cache import KVCacheLayout
+from kvservice.runtime.grpc_options import GRPC_OPTIONS, MAX_MESSAGE_BYTES
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 

@@ -32,7 +32,8 @@ from hf_models import TOKENIZER_CORPUS, hf_greedy, random_prompts
 from kvservice import LLM, SamplingParams
 from kvservice.loading.gguf_loader import open_gguf
 from kvservice.loading.gguf_tokenizer import gguf_tokenizer
-from kvservice.loading.model_loader import ModelLoadError, load_model, load_model_config
+from kvservice.loading.model_files import load_model_config
+from kvservice.loading.model_loader import ModelLoadError, load_model
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

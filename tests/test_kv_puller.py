@@ -20,7 +20,7 @@ from kvservice.connector.kv_puller import LoadSpec, pull_kv
 from kvservice.core.kv_cache_manager import cdiv
 from kvservice.core.outputs import KVTransferCounters
 from kvservice.engine.engine import LLMEngine
-from kvservice.loading.model_loader import TINY_CONFIG
+from kvservice.loading.model_files import TINY_CONFIG
 from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.v1 import kvservice_pb2 as pb
 

@@ -17,7 +17,7 @@ from conftest import kill_all
 
 from kvservice.client import launch
 from kvservice.client.client import KVServiceClient
-from kvservice.loading.model_loader import load_model_config
+from kvservice.loading.model_files import load_model_config
 from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.runtime.engine_args import engine_config
 from kvservice.server import worker_server

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvservice.loading.model_loader import TINY_CONFIG, load_model
+from kvservice.loading.model_files import TINY_CONFIG
+from kvservice.loading.model_loader import load_model
 from kvservice.model import model as model_module
 from kvservice.model.attention import AttentionMetadata, PrefillSpan
 from kvservice.model.cpu_kernels import load_cpu_kernels

@@ -11,12 +11,8 @@ from hf_models import random_prompts, save_random_model
 from safetensors.torch import load_file, save_file
 
 from kvservice import LLM, SamplingParams
-from kvservice.loading.model_loader import (
-    TINY_CONFIG,
-    ModelLoadError,
-    load_model,
-    load_model_config,
-)
+from kvservice.loading.model_files import TINY_CONFIG, load_model_config
+from kvservice.loading.model_loader import ModelLoadError, load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

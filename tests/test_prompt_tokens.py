@@ -8,7 +8,7 @@ import pytest
 from kvservice import LLM, SamplingParams
 from kvservice.core.block_hash import block_hashes
 from kvservice.loading.chat_template import ChatPrompt
-from kvservice.loading.model_loader import load_tokenizer
+from kvservice.loading.model_files import load_tokenizer
 from kvservice.server.proxy.prompt_tokens import PromptTokens
 from kvservice.v1 import kvservice_pb2 as pb
 

@@ -12,7 +12,8 @@ import torch
 from hf_models import TOKENIZER_CORPUS
 
 from kvservice import LLM, SamplingParams
-from kvservice.loading.model_loader import ModelLoadError, load_model, load_model_config, model_name
+from kvservice.loading.model_files import load_model_config, model_name
+from kvservice.loading.model_loader import ModelLoadError, load_model
 from kvservice.model import model as model_module
 from kvservice.model.attention import AttentionMetadata, PrefillSpan
 from kvservice.model.model import MAX_BLOCK_QUANT_ROWS, CausalLM, Linear

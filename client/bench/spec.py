@@ -28,7 +28,7 @@ from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import TransferRegistry
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine
-from kvservice.loading.model_loader import load_model_config
+from kvservice.loading.model_files import load_model_config
 from kvservice.model.kv_cache import KVCacheLayout
 
 LATE_LAYER_SCALE = 0.02

@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 import torch
 
 from kvservice.client.bench.tcp_baseline import peak_rss_bytes
-from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
 from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
+from kvservice.runtime.grpc_options import GRPC_OPTIONS
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 FIRST_TOKEN_ID = 42  # what the prefill side completes each transfer with; the pull must return it

@@ -29,7 +29,6 @@ import torch
 from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN, KVConnectorBase
 from kvservice.connector.channel_cache import ChannelCache
 from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
-from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
 from kvservice.connector.shared_memory import sweep_orphaned_segments
 from kvservice.core.outputs import (
     KVConnectorMetadata,
@@ -40,6 +39,7 @@ from kvservice.core.outputs import (
 )
 from kvservice.core.request import Request, RequestStatus
 from kvservice.model.kv_cache import KVCacheLayout
+from kvservice.runtime.grpc_options import GRPC_OPTIONS
 from kvservice.runtime.tls import bearer_metadata
 
 # Channels to distinct prefill workers kept open at once (idle ones past it are closed).

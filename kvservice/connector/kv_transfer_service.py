@@ -19,14 +19,8 @@ import numpy as np
 
 from kvservice.connector import wire
 from kvservice.connector.shared_memory import RingWriter, SharedSegment
-from kvservice.connector.transfer_registry import (
-    StagedTransfer,
-    TransferDenied,
-    TransferInvalid,
-    TransferNotFound,
-    TransferRegistry,
-    TransferState,
-)
+from kvservice.connector.transfer_errors import TransferDenied, TransferInvalid, TransferNotFound
+from kvservice.connector.transfer_registry import StagedTransfer, TransferRegistry, TransferState
 from kvservice.core.outputs import KVTransferCounters
 from kvservice.core.request import check_request_id
 from kvservice.model.kv_cache import KVCacheLayout
@@ -35,18 +29,6 @@ from kvservice.v1 import kvservice_pb2 as pb
 logger = logging.getLogger(__name__)
 
 PULL_KV_METHOD = "/kvservice.v1.KVTransfer/PullKV"
-MAX_MESSAGE_BYTES = 64 << 20  # KV chunks are ~2 MiB; gRPC's default cap is 4 MiB
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    # A peer behind a cut link is noticed within ~15 s by keepalive pings during calls,
-    # not only when the call's deadline (--kv-transfer-timeout) runs out.
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    # Servers accept those pings (the default would answer them with too_many_pings).
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_ping_strikes", 0),
-]
 # Test hook, never for production: with KVSERVICE_FAULT_CORRUPT_CHUNK_EVERY=N in a prefill
 # worker's environment, one byte of every Nth chunk's payload is flipped after its checksum
 # is computed, so the decode side must reject it (tests/test_faults.py).

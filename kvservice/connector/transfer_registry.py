@@ -21,31 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kvservice.connector.staging import StagingBuffer, StagingPool
+from kvservice.connector.transfer_errors import StagingExhausted, TransferDenied, TransferInvalid, TransferNotFound
 from kvservice.model.kv_cache import KVCacheLayout
 
 # Refusals remembered at once (each for a lease); past this the oldest are forgotten, so a
 # flood of refusals costs bounded memory (request ids are at most 256 bytes).
 MAX_REJECTED = 4096
-
-
-class TransferError(Exception):
-    """Base of the registry's errors; each maps to one gRPC status code at the edge."""
-
-
-class TransferNotFound(TransferError):
-    pass
-
-
-class TransferDenied(TransferError):
-    pass
-
-
-class StagingExhausted(TransferError):
-    pass
-
-
-class TransferInvalid(TransferError):
-    """The pull asked for something no transfer has (a block past the prompt)."""
 
 
 class TransferState(enum.Enum):

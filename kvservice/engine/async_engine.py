@@ -28,6 +28,7 @@ from typing import Any
 from kvservice.core.block_pool import KVCacheEvent
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine, RequestOutput
+from kvservice.engine.errors import EngineDeadError, QueueFull
 from kvservice.loading.chat_template import Prompt
 
 logger = logging.getLogger(__name__)
@@ -35,14 +36,6 @@ logger = logging.getLogger(__name__)
 # Upper bound on an idle wait: transfers and commands report through the wake-up event,
 # so this only bounds how late a lease expiry or a missed notification is noticed.
 _IDLE_WAIT_S = 0.05
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop failed; the engine serves nothing more."""
-
-
-class QueueFull(RuntimeError):
-    """Admission control: `max_queued_requests` requests already wait; retry later or elsewhere."""
 
 
 @dataclass(slots=True)

@@ -21,7 +21,8 @@ from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.scheduler import Scheduler
 from kvservice.engine.stop_checker import OutputText
 from kvservice.loading.chat_template import Prompt, ResumedPrompt, encode_prompt
-from kvservice.loading.model_loader import LoadedModel, load_model, load_model_config
+from kvservice.loading.model_files import load_model_config
+from kvservice.loading.model_loader import LoadedModel, load_model
 from kvservice.loading.tokenizer import Tokenizer
 from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.worker.draft_proposer import DraftProposer

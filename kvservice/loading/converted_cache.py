@@ -25,13 +25,15 @@ import os
 import pathlib
 import tempfile
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvservice.config import ModelConfig
 from kvservice.loading.tokenizer import HFTokenizer, TokenizerConfig
-from kvservice.model.block_quant import BlockQuantWeight
+
+if TYPE_CHECKING:  # the weights' half imports them when called: config and tokenizer stay torch-free
+    import torch
+
+    from kvservice.model.block_quant import BlockQuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ _TOKENIZER = "tokenizer.json"
 _TOKENIZER_CONFIG = "tokenizer_config.json"
 _BLOCK_FIELDS = ("codes", "scales", "mins")
 
-Weights = tuple[dict[str, torch.Tensor], dict[str, BlockQuantWeight]]
+Weights = tuple["dict[str, torch.Tensor]", "dict[str, BlockQuantWeight]"]
 
 
 def cache_root() -> pathlib.Path | None:
@@ -91,6 +93,10 @@ def read_tokenizer(entry: pathlib.Path) -> HFTokenizer | None:
 
 def read_weights(entry: pathlib.Path, dtype: torch.dtype) -> Weights | None:
     """The fused state dict in `dtype` and the block-quantized weights, memory-mapped; None if absent."""
+    import torch
+
+    from kvservice.model.block_quant import BlockQuantWeight
+
     file = _weights_file(entry, dtype)
     if not file.is_file():
         return None
@@ -121,6 +127,8 @@ def write_tokenizer(entry: pathlib.Path, tokenizer: HFTokenizer) -> None:
 def write_weights(
     entry: pathlib.Path, dtype: torch.dtype, state: dict[str, torch.Tensor], blocks: dict[str, BlockQuantWeight]
 ) -> None:
+    import torch
+
     flat_blocks = {
         f"{module}.{field}": getattr(weight, field) for module, weight in blocks.items() for field in _BLOCK_FIELDS
     }

@@ -11,7 +11,7 @@ import sys
 from aiohttp import web
 from grpc_health.v1 import health_pb2
 
-from kvservice.loading.model_loader import load_model_config, load_tokenizer, model_name
+from kvservice.loading.model_files import load_model_config, load_tokenizer, model_name
 from kvservice.loading.tokenizer import Tokenizer
 from kvservice.runtime.event_loop import run_event_loop
 from kvservice.runtime.routing_args import add_routing_arguments

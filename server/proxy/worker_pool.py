@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvservice.connector.kv_transfer_service import GRPC_OPTIONS
+from kvservice.runtime.grpc_options import GRPC_OPTIONS
 from kvservice.runtime.tls import bearer_metadata
 from kvservice.server.proxy.kv_index import KVBlockIndex
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
