@@ -126,7 +126,7 @@ class LocalCluster:
         parent = os.getpid()
 
         def preexec() -> None:  # in the child, between fork and exec
-            _die_with_parent(parent)
+            die_with_parent(parent)
             if core_set is not None:
                 os.sched_setaffinity(0, core_set)
 
@@ -175,7 +175,7 @@ class LocalCluster:
         return next(c for c in self.children if c.name == name)
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """Ask the kernel for SIGTERM when the parent dies (Linux); exit now if it already has."""
     if not sys.platform.startswith("linux"):
         return

@@ -49,6 +49,8 @@ BENCHMARKS: dict[str, Command] = {
     "transfer": Command("kvservice.client.bench.transfer", "KV transfer over gRPC PullKV vs raw TCP, tensor to tensor across processes"),
     "spec": Command("kvservice.client.bench.spec",
                     "speculative decoding: deferred vs eager finalize of a prefill step; decode tokens/s with good and poor drafts"),
+    "peers": Command("kvservice.client.bench.peers",
+                     "kvservice (colocated, 1P1D) vs llama.cpp and vLLM on SmolLM2: same workload at concurrency 1 and 16, one ratio table"),
     "engine": Command("kvservice.client.bench.engine",
                       "prefill and decode tokens/s at batch 1 and 16, side by side with transformers' generate"),
 }
