@@ -210,7 +210,7 @@ def test_dockerfile_agrees_with_the_repository() -> None:
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     # The workers' start-up environment is process_env.WORKER_ENV, set at process start.
     env = dict(re.findall(r"(\w+)=(\S+)", " ".join(arg for kind, arg in instructions if kind == "ENV")))
-    for name in ("GLIBC_TUNABLES", "OMP_WAIT_POLICY"):
+    for name in ("GLIBC_TUNABLES", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         assert env[name] == WORKER_ENV[name], name
     # Every package directory the distribution installs is copied into the image.
     copied = {source.rstrip("/") for kind, arg in instructions if kind == "COPY" for source in arg.split()[:-1]}

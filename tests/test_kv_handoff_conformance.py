@@ -33,12 +33,13 @@ from pd_pair import MAX_STEPS, PREFILL_PARAMS, PROMPTS, WAIT, ObservedRegistry, 
 from kvservice.connector import wire
 from kvservice.connector.base import TRANSFER_TOKEN
 from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
+from kvservice.connector.kv_transfer_service import KVTransferService
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import StagedTransfer
 from kvservice.core.outputs import KVTransferCounters
 from kvservice.engine.engine import RequestOutput
 from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
-from kvservice.runtime.grpc_options import GRPC_OPTIONS, KVTransferService
+from kvservice.runtime.grpc_options import GRPC_OPTIONS
 from kvservice.v1 import kvservice_pb2 as pb
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]

@@ -21,7 +21,8 @@ from conftest import WORKER_RPCS, local_cluster, tiny_pull_request, worker_calls
 
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
-from kvservice.runtime.grpc_options import GRPC_OPTIONS, PULL_KV_METHOD
+from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
+from kvservice.runtime.grpc_options import GRPC_OPTIONS
 from kvservice.runtime.tls import TLSFiles
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc

@@ -25,7 +25,8 @@ from conftest import local_cluster, tiny_pull_request
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvservice.connector import wire
-from kvservice.runtime.grpc_options import GRPC_OPTIONS, PULL_KV_METHOD
+from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
+from kvservice.runtime.grpc_options import GRPC_OPTIONS
 from kvservice.runtime.process_env import WORKER_ENV
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc

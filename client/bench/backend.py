@@ -105,6 +105,7 @@ class OpenAIBackend(Backend):
         max_connections: int | None = None,
         stats_target: str | None = None,
         stats_credentials: grpc.ChannelCredentials | None = None,
+        keep_alive: bool = True,
     ) -> None:
         if name not in ENDPOINTS:
             raise ValueError(f"backend must be one of {', '.join(ENDPOINTS)}, got {name!r}")
@@ -114,8 +115,12 @@ class OpenAIBackend(Backend):
         self.address = base_url.rstrip("/").removesuffix("/v1")
         self.model = model
         self.api_key = api_key
-        # aiohttp's default pool holds 100 connections: it would cap concurrency unseen.
-        connector = aiohttp.TCPConnector(limit=max_connections or 0, ssl=ssl_context if ssl_context is not None else True)
+        # aiohttp's default pool holds 100 connections: it would cap concurrency unseen. Without
+        # keep_alive every request has its own connection: a server that closes kept-alive
+        # connections after a few requests (llama.cpp's HTTP library) then fails none.
+        connector = aiohttp.TCPConnector(
+            limit=max_connections or 0, ssl=ssl_context if ssl_context is not None else True, force_close=not keep_alive,
+        )
         self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
         self.stats_client = KVServiceClient(stats_target, stats_credentials) if stats_target else None
 

@@ -154,7 +154,12 @@ async def measure(spec: ServerSpec, args: argparse.Namespace, log: Path) -> Serv
 
 async def _check_and_time(spec: ServerSpec, args: argparse.Namespace, result: ServerResult) -> None:
     """The sanity check, then the workload at each concurrency, on the ready server into `result`."""
-    async with OpenAIBackend(COMPLETIONS, spec.base_url) as completions, OpenAIBackend(CHAT, spec.base_url) as chat:
+    # A connection per request, for every server alike: llama-server closes kept-alive ones
+    # after a few requests, and aiohttp then fails some requests that reuse them.
+    async with (
+        OpenAIBackend(COMPLETIONS, spec.base_url, keep_alive=False) as completions,
+        OpenAIBackend(CHAT, spec.base_url, keep_alive=False) as chat,
+    ):
         models = await completions.served_models()
         if not models:
             raise ValueError(f"{spec.base_url}/v1/models lists no model")

@@ -5,8 +5,8 @@
    eagerly (the save is waited for before the draft pass).
 2. Decode tokens/s without speculation, with a draft that agrees often (the target's
    first layer, of a target whose later layers are damped) and with one that rarely
-   agrees (independent random weights). Run with OMP_WAIT_POLICY=PASSIVE, as the
-   servers are: the staging copy thread and spinning OpenMP threads fight otherwise.
+   agrees (independent random weights). Run with the servers' OpenMP settings
+   (process_env.WORKER_ENV): the staging copy thread and spinning OpenMP threads fight otherwise.
 """
 
 from __future__ import annotations

@@ -1,20 +1,20 @@
 """The tokenizer a benchmark's workload is counted (ShareGPT) or written (chat prompts) with.
 
 Names are what `kvservice serve --model` takes (`tiny`, `smollm2`, a model directory, a
-GGUF file: `model_loader.load_tokenizer`), or a `tokenizer.json` file. Nothing is downloaded.
+GGUF file: `model_files.load_tokenizer`), or a `tokenizer.json` file. Nothing is downloaded.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvservice.loading import model_loader
+from kvservice.loading import model_files
 from kvservice.loading.tokenizer import HFTokenizer, Tokenizer
 
 
 def is_local_tokenizer(name: str) -> bool:
     """Whether `load_tokenizer` may find `name` here: a preset or an existing path."""
-    return name in (model_loader.TINY_MODEL, model_loader.SMOLLM2_MODEL) or Path(name).expanduser().exists()
+    return name in (model_files.TINY_MODEL, model_files.SMOLLM2_MODEL) or Path(name).expanduser().exists()
 
 
 def load_tokenizer(name: str) -> Tokenizer:
@@ -23,7 +23,7 @@ def load_tokenizer(name: str) -> Tokenizer:
     if path.is_file() and path.suffix == ".json":
         return HFTokenizer(path)
     try:
-        tokenizer = model_loader.load_tokenizer(name)
+        tokenizer = model_files.load_tokenizer(name)
     except ValueError as e:  # ModelLoadError: not a preset, directory or GGUF file
         raise ValueError(f"--tokenizer: {e}") from None
     if tokenizer is None:
