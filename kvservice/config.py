@@ -163,9 +163,11 @@ def _gguf_rope_scaling(metadata: Mapping[str, Any], arch: str) -> dict[str, Any]
     raise ValueError(f"{arch}.rope.scaling.type: unsupported {kind!r} (supported: none, linear)")
 
 
-# A step's time grows with its prompt tokens and every decoding request waits for it: on
-# SmolLM2, 2 cores, a step of 16 decodes plus N prompt tokens takes ~(N / 256) x 100 ms more.
-DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE = 256
+# A step's time grows with its prompt tokens and every decoding request waits for it. SmolLM2
+# on 2 cores, 17 requests decoding (scripts: see README's benchmark section): a step takes
+# 50 ms alone, 84 / 111 / 137 / 207 / 307 ms with 32 / 48 / 64 / 128 / 256 prompt tokens.
+# 64 keeps the inter-token latency under load below vLLM's p99 (~190 ms at concurrency 16).
+DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE = 64
 
 
 @dataclass(frozen=True, slots=True)
