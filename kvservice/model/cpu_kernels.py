@@ -12,6 +12,7 @@ then keep their PyTorch formulas, which the tests compare the kernels against.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pathlib
@@ -22,7 +23,9 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "norm_rotary.cpp", "block_quant_linear.cpp")]
-# torch caches builds by name and source hash; bump the version when an op's schema changes.
+_HEADERS = sorted((pathlib.Path(__file__).parent / "csrc").glob("*.h"))
+# torch caches builds by name and the sources' hash (not the headers': their hash joins the
+# name); bump the version when an op's schema changes.
 _EXTENSION_VERSION = "v5"
 # Vector ISA flags per torch's own CPU capability check. The capability is part of the
 # extension's name, so a cache shared by different CPUs never loads the wrong build.
@@ -50,7 +53,8 @@ def load_cpu_kernels() -> bool:
 
         capability = torch.backends.cpu.get_cpu_capability()
         isa_flags = _ISA_FLAGS.get(capability, [])
-        name = f"kvservice_cpu_kernels_{_EXTENSION_VERSION}_{capability.lower() if isa_flags else 'generic'}"
+        headers = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:8]
+        name = f"kvservice_cpu_kernels_{_EXTENSION_VERSION}_{capability.lower() if isa_flags else 'generic'}_{headers}"
         start = time.perf_counter()
         log.info("loading the C++ CPU kernels (built once per machine, then cached by torch)")
         try:

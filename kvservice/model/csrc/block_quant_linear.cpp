@@ -31,6 +31,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "thread_pool.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -292,7 +294,7 @@ void linear_panels(const float* x, int64_t m_size, int64_t k_size, const uint8_t
   const int64_t n_size = num_panels * kPanel;
   const int64_t panel_code_bytes = kPacked ? k_size / 2 * kPanel : k_size * kPanel;
   const int64_t panel_blocks = k_size / kBlock * kPanel;
-  at::parallel_for(0, num_panels, 16, [&](int64_t begin, int64_t end) {
+  kvservice::parallel_for(num_panels, 16, [&](int64_t begin, int64_t end) {
     alignas(64) float buf[kChunk * kPanel];
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* panel_codes = codes + p * panel_code_bytes;

@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "thread_pool.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -227,7 +229,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
     const scalar_t* q_ptr = q.data_ptr<scalar_t>();
     const scalar_t* kv_ptr = kv_layer.data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
-    at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    kvservice::parallel_for(batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, qf, acc;
       std::vector<const float*> keys;
       for (int64_t task = begin; task < end; ++task) {
