@@ -25,7 +25,7 @@ import os
 import pathlib
 import tempfile
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvservice.config import ModelConfig
 from kvservice.loading.tokenizer import HFTokenizer, TokenizerConfig
@@ -45,6 +45,7 @@ _TOKENIZER = "tokenizer.json"
 _TOKENIZER_CONFIG = "tokenizer_config.json"
 _BLOCK_FIELDS = ("codes", "scales", "mins")
 
+T = TypeVar("T")
 Weights = tuple["dict[str, torch.Tensor]", "dict[str, BlockQuantWeight]"]
 
 
@@ -67,6 +68,24 @@ def entry_for(path: pathlib.Path) -> pathlib.Path | None:
     resolved = path.resolve()
     key = hashlib.sha256(f"{resolved}|{stat.st_size}|{stat.st_mtime_ns}|v{CACHE_VERSION}".encode()).hexdigest()[:16]
     return root / "converted" / f"{resolved.stem}-{key}"
+
+
+def read_or_convert(
+    path: pathlib.Path,
+    read: Callable[[pathlib.Path], T | None],
+    convert: Callable[[bool], T],
+    write: Callable[[pathlib.Path, T], None],
+) -> T:
+    """What `read` finds in the entry of `path`; else `convert(is_cached)` (is_cached: it will be
+    written) and, when not None, written to the entry for the next process."""
+    entry = entry_for(path)
+    cached = None if entry is None else read(entry)
+    if cached is not None:
+        return cached
+    value = convert(entry is not None)
+    if entry is not None and value is not None:
+        write(entry, value)
+    return value
 
 
 # ---------------------------------------------------------------- reading
@@ -124,9 +143,8 @@ def write_tokenizer(entry: pathlib.Path, tokenizer: HFTokenizer) -> None:
     _write(entry / _TOKENIZER_CONFIG, lambda f: f.write(json.dumps(dataclasses.asdict(tokenizer.config)).encode()))
 
 
-def write_weights(
-    entry: pathlib.Path, dtype: torch.dtype, state: dict[str, torch.Tensor], blocks: dict[str, BlockQuantWeight]
-) -> None:
+def write_weights(entry: pathlib.Path, dtype: torch.dtype, weights: Weights) -> None:
+    state, blocks = weights
     import torch
 
     flat_blocks = {

@@ -49,16 +49,12 @@ def load_model_config(model: str) -> ModelConfig:
         return TINY_CONFIG
     path = model_path(model)
     if path.is_file():
-        entry = converted_cache.entry_for(path)
-        cached = None if entry is None else converted_cache.read_config(entry)
-        if cached is not None:
-            return cached
-        from kvservice.loading.gguf_loader import gguf_model_config, open_gguf
+        def convert(_: bool) -> ModelConfig:
+            from kvservice.loading.gguf_loader import gguf_model_config, open_gguf
 
-        config = gguf_model_config(open_gguf(path))
-        if entry is not None:
-            converted_cache.write_config(entry, config)
-        return config
+            return gguf_model_config(open_gguf(path))
+
+        return converted_cache.read_or_convert(path, converted_cache.read_config, convert, converted_cache.write_config)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"model {model!r}: missing config.json")
@@ -79,17 +75,13 @@ def load_tokenizer(model: str) -> Tokenizer | None:
         return ByteTokenizer()
     path = model_path(model)
     if path.is_file():
-        entry = converted_cache.entry_for(path)
-        cached = None if entry is None else converted_cache.read_tokenizer(entry)
-        if cached is not None:
-            return cached
-        from kvservice.loading.gguf_loader import open_gguf
-        from kvservice.loading.gguf_tokenizer import gguf_tokenizer
+        def convert(_: bool) -> HFTokenizer | None:
+            from kvservice.loading.gguf_loader import open_gguf
+            from kvservice.loading.gguf_tokenizer import gguf_tokenizer
 
-        tokenizer = gguf_tokenizer(open_gguf(path))
-        if entry is not None and tokenizer is not None:
-            converted_cache.write_tokenizer(entry, tokenizer)
-        return tokenizer
+            return gguf_tokenizer(open_gguf(path))
+
+        return converted_cache.read_or_convert(path, converted_cache.read_tokenizer, convert, converted_cache.write_tokenizer)
     return _hf_tokenizer(path)
 
 

@@ -96,18 +96,21 @@ def _gguf_model(
 ) -> CausalLM:
     """A GGUF file's model: from its converted entry when there is one, else converted now
     (and the entry written, block-quantized weights included, for the next process)."""
-    entry = converted_cache.entry_for(path)
-    cached = None if entry is None else converted_cache.read_weights(entry, dtype)
-    if cached is not None:
-        state, blocks = cached
-    else:
+    def convert(is_cached: bool) -> converted_cache.Weights:
         from kvservice.loading.gguf_loader import gguf_block_quant_rows, gguf_state_dict, open_gguf
 
         file = open_gguf(path)
         state = fuse_checkpoint_weights(gguf_state_dict(file, config, dtype), config.num_hidden_layers)
-        blocks = _block_quant_weights(gguf_block_quant_rows(file, config), config) if use_blocks or entry else {}
-        if entry is not None:
-            converted_cache.write_weights(entry, dtype, state, blocks)
+        # The entry keeps the blocks for the next process, whether or not this one uses them.
+        blocks = _block_quant_weights(gguf_block_quant_rows(file, config), config) if use_blocks or is_cached else {}
+        return state, blocks
+
+    state, blocks = converted_cache.read_or_convert(
+        path,
+        lambda entry: converted_cache.read_weights(entry, dtype),
+        convert,
+        lambda entry, weights: converted_cache.write_weights(entry, dtype, weights),
+    )
     net = _build_model(state, config, max_positions, path)
     if use_blocks:
         net.use_block_quant(blocks)
