@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvservice.core.block_pool import KVCacheEvent
+from kvservice.core.logprobs import TokenLogprobs
 from kvservice.core.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from kvservice.loading.chat_template import ChatPrompt, Prompt, ResumedPrompt
 from kvservice.runtime.finish_reason import finish_reason_to_proto
@@ -35,6 +36,8 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
             stop_token_ids=tuple(sp.stop_token_ids),
             ignore_eos=sp.ignore_eos,
             stop=tuple(sp.stop),
+            logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+            prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
         )
     except ValueError as e:
         raise ValueError(f"sampling_params.{e}") from None
@@ -82,14 +85,37 @@ def _base_prompt(request: pb.GenerateRequest, max_model_len: int) -> str | list[
     raise ValueError("prompt: set one of text, token_ids or chat")
 
 
-def response_from_output(output: RequestOutput, new_token_ids: list[int], new_text: str) -> pb.GenerateResponse:
-    return pb.GenerateResponse(
+def response_from_output(output: RequestOutput, is_first: bool) -> pb.GenerateResponse:
+    """The output's new tokens as one chunk; the first chunk also carries what the prompt
+    gave (its logprobs when asked for, its prefix-cache hit)."""
+    response = pb.GenerateResponse(
         request_id=output.request_id,
-        token_ids=new_token_ids,
-        text=new_text,
+        token_ids=output.new_token_ids,
+        text=output.new_text,
         finish_reason=finish_reason_to_proto(output.finish_reason),
         num_prompt_tokens=len(output.prompt_token_ids),
     )
+    if output.new_logprobs:
+        response.logprobs.extend(logprobs_to_proto(output.new_logprobs))
+    if is_first:
+        if output.prompt_logprobs is not None:
+            response.prompt_logprobs.extend(logprobs_to_proto(output.prompt_logprobs))
+            response.prompt_token_ids.extend(output.prompt_token_ids)
+        if output.num_cached_tokens is not None:
+            response.num_cached_tokens = output.num_cached_tokens
+    return response
+
+
+def logprobs_to_proto(logprobs: list[TokenLogprobs]) -> list[pb.Logprobs]:
+    return [
+        pb.Logprobs(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            rank=lp.rank,
+            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in logprobs
+    ]
 
 
 def kv_event_to_proto(event: KVCacheEvent) -> pb.KVCacheEvent:

@@ -32,10 +32,12 @@ async def stream_responses(
     kv_transfer_params: dict[str, Any] | None = None,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """One response per engine output; an engine-side error raises RequestFailed."""
+    is_first = True
     async for out in engine.generate(prompt, params, request_id, kv_transfer_params):
         if out.error is not None:
             raise RequestFailed(out.error)
-        yield response_from_output(out, out.new_token_ids, out.new_text)
+        yield response_from_output(out, is_first and bool(out.new_token_ids))
+        is_first = is_first and not out.new_token_ids
 
 
 def merge_into_complete(result: pb.CompleteResponse, response: pb.GenerateResponse) -> None:
@@ -43,6 +45,11 @@ def merge_into_complete(result: pb.CompleteResponse, response: pb.GenerateRespon
     result.token_ids.extend(response.token_ids)
     result.text += response.text
     result.num_prompt_tokens = response.num_prompt_tokens
+    result.logprobs.extend(response.logprobs)
+    result.prompt_logprobs.extend(response.prompt_logprobs)
+    result.prompt_token_ids.extend(response.prompt_token_ids)
+    if response.HasField("num_cached_tokens"):
+        result.num_cached_tokens = response.num_cached_tokens
     if response.finish_reason:
         result.finish_reason = response.finish_reason
 

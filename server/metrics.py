@@ -82,8 +82,14 @@ class ServerMetrics:
         self.worker_joins: Gauge | None = None
         self.worker_leaves: Gauge | None = None
         self.engine: EngineCollector | None = None
+        self.requests_prefilled: Counter | None = None
         if role == "proxy":
             self.num_requests_running = Gauge("kvservice_num_requests_running", "Client requests in flight", registry=r)
+            self.requests_prefilled = Counter(
+                "kvservice_requests_prefilled", "Routed requests by where their prompt was prefilled: "
+                "prefill_worker (its KV pulled by the decode worker) or decode_worker (locally: a short uncached part, "
+                "no prefill worker reachable, or a migrated stream)", ["where"], registry=r,
+            )
             self.workers_healthy = Gauge("kvservice_workers_healthy", "Workers whose health check passes, by role", ["role"], registry=r)
             self.workers = Gauge("kvservice_workers", "Workers by role and membership state (joining, serving, not_serving, leaving)",
                                  ["role", "state"], registry=r)

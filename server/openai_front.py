@@ -12,9 +12,13 @@ with `--http-port`) and sends every request down the same path as the gRPC `Gene
   default up to the end of the turn), `temperature`, `top_p`, `seed`, `stream`,
   `stream_options.include_usage`, `stop` (strings, or token ids as an extension), and
   vLLM's `top_k`, `ignore_eos`, `stop_token_ids`;
-- refused with 400, naming the field: `n` > 1, `best_of` > 1, `echo`, `logprobs`,
-  `suffix`, tools, a `response_format` other than text, and any field the front does not
-  know (a penalty or a logit bias is not silently ignored).
+- logprobs (the log-softmax of the raw logits): completions `logprobs: K` (with `echo`,
+  the prompt's tokens and logprobs first), chat `logprobs: true` with `top_logprobs: K`;
+  K at most 20, streamed with each token;
+- `usage.prompt_tokens_details.cached_tokens`: the prompt tokens found in the prefix cache;
+- refused with 400, naming the field: `n` > 1, `best_of` > 1, `suffix`, tools, a
+  `response_format` other than text, and any field the front does not know (a penalty or
+  a logit bias is not silently ignored).
 
 Streams send one event per engine step (a token, or the accepted tokens of a
 speculative step); a chat stream's first event carries the role, then content deltas,
@@ -40,6 +44,7 @@ from kvservice.loading.tokenizer import Tokenizer
 from kvservice.runtime.finish_reason import finish_reason_from_proto
 from kvservice.server.auth import BearerToken
 from kvservice.server.generation import StreamingGenerationService, merge_into_complete, new_request_id
+from kvservice.server.openai_logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from kvservice.server.openai_protocol import (
     OpenAIError,
     ParsedRequest,
@@ -75,7 +80,8 @@ class OpenAIFront:
         self.model_name = model_name
         self.is_serving = is_serving
         self.auth_token = BearerToken(auth_token) if auth_token else None  # --auth-token guards this API too
-        self.tokenizer = tokenizer  # for /tokenize and /detokenize
+        self.tokenizer = tokenizer  # for /tokenize, /detokenize and the tokens of logprobs
+        self.token_texts = TokenTexts(tokenizer)
         self.max_model_len = max_model_len
         self.created = int(time.time())
         self.is_draining = False
@@ -175,9 +181,11 @@ class OpenAIFront:
         headers = {REQUEST_ID_HEADER: request_id}
         try:
             parsed = parse(await _json_body(request), request_id, self.model_name)
+            if parsed.echo and not isinstance(parsed.prompt, str) and self.tokenizer is None:
+                raise OpenAIError(400, "echo: a prompt of token ids needs a tokenizer here (start the proxy with --model)", "echo")
         except Exception as e:
             return error_response(e, headers)
-        kind = _ChatShape() if is_chat else _CompletionShape()
+        kind = _ChatShape(parsed, self.token_texts) if is_chat else _CompletionShape(parsed, self.token_texts)
         meta = {"id": f"{kind.id_prefix}{request_id}", "created": int(time.time()), "model": self.model_name}
         responses = self.service.responses(parsed.generate_request)
         try:
@@ -207,7 +215,7 @@ class OpenAIFront:
             return error_response(e, headers)
         finally:
             await responses.aclose()
-        choice = kind.whole_choice(result.text, list(result.token_ids), finish_reason_from_proto(result.finish_reason))
+        choice = kind.whole_choice(result)
         body = {**meta, "object": kind.object_name, "choices": [choice], "usage": usage(result)}
         return web.json_response(body, headers=headers)
 
@@ -225,7 +233,7 @@ class OpenAIFront:
             chunk = first
             while chunk is not None:  # one event per engine step
                 merge_into_complete(totals, chunk)
-                choice = kind.delta_choice(chunk.text, list(chunk.token_ids), finish_reason_from_proto(chunk.finish_reason))
+                choice = kind.delta_choice(chunk)
                 await _send_event(response, {**meta, "choices": [choice]})
                 chunk = await anext(responses, None)
             if include_usage:
@@ -242,30 +250,68 @@ class OpenAIFront:
         return response
 
 
+Chunk = pb.GenerateResponse | pb.CompleteResponse
+
+
 class _Shape:
-    """How one endpoint's response objects look; the two below differ only here."""
+    """How one endpoint's response objects look; the two below differ only here. One per
+    request: a stream's choices are built chunk by chunk."""
 
     id_prefix = ""
     object_name = ""
     chunk_object_name = ""
 
+    def __init__(self, parsed: ParsedRequest, texts: TokenTexts) -> None:
+        self.parsed = parsed
+        self.texts = texts
+
     def opening_choices(self) -> list[dict[str, Any]]:
         return []
 
-    def whole_choice(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict[str, Any]:
+    def whole_choice(self, result: pb.CompleteResponse) -> dict[str, Any]:
         raise NotImplementedError
 
-    def delta_choice(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict[str, Any]:
+    def delta_choice(self, chunk: pb.GenerateResponse) -> dict[str, Any]:
         raise NotImplementedError
 
 
 class _CompletionShape(_Shape):
     id_prefix, object_name, chunk_object_name = "cmpl-", "text_completion", "text_completion"
 
-    def whole_choice(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
+    def __init__(self, parsed: ParsedRequest, texts: TokenTexts) -> None:
+        super().__init__(parsed, texts)
+        self.logprobs = CompletionLogprobs(texts)
+        self.is_echo_pending = parsed.echo
 
-    delta_choice = whole_choice
+    def whole_choice(self, result: pb.CompleteResponse) -> dict[str, Any]:
+        return self._choice(result)
+
+    def delta_choice(self, chunk: pb.GenerateResponse) -> dict[str, Any]:
+        return self._choice(chunk)
+
+    def _choice(self, chunk: Chunk) -> dict[str, Any]:
+        text, token_ids = chunk.text, list(chunk.token_ids)
+        logprob_ids: list[int] = []
+        logprobs: list[pb.Logprobs | None] = []
+        if self.is_echo_pending and (token_ids or chunk.finish_reason):
+            self.is_echo_pending = False
+            text = self._prompt_text() + text
+            # The prompt's first token has no logprob (nothing comes before it).
+            logprob_ids, logprobs = list(chunk.prompt_token_ids), [None, *chunk.prompt_logprobs]
+        if self.parsed.wants_logprobs:
+            logprob_ids += token_ids
+            logprobs += chunk.logprobs
+        body = self.logprobs.build(logprob_ids, logprobs) if self.parsed.wants_logprobs else None
+        finish_reason = finish_reason_from_proto(chunk.finish_reason)
+        return {"index": 0, "text": text, "logprobs": body, "finish_reason": finish_reason, "token_ids": token_ids}
+
+    def _prompt_text(self) -> str:
+        prompt = self.parsed.prompt
+        if isinstance(prompt, str) or prompt is None:
+            return prompt or ""
+        if self.texts.tokenizer is None:
+            return ""  # refused when parsed: see OpenAIFront._serve
+        return self.texts.tokenizer.decode(prompt, skip_special_tokens=False)
 
 
 class _ChatShape(_Shape):
@@ -274,13 +320,17 @@ class _ChatShape(_Shape):
     def opening_choices(self) -> list[dict[str, Any]]:
         return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
 
-    def whole_choice(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
+    def whole_choice(self, result: pb.CompleteResponse) -> dict[str, Any]:
+        message = {"role": "assistant", "content": result.text}
+        return {"index": 0, "message": message, **self._rest(result)}
 
-    def delta_choice(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict[str, Any]:
-        delta = {"content": text} if text else {}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
+    def delta_choice(self, chunk: pb.GenerateResponse) -> dict[str, Any]:
+        delta = {"content": chunk.text} if chunk.text else {}
+        return {"index": 0, "delta": delta, **self._rest(chunk)}
+
+    def _rest(self, chunk: Chunk) -> dict[str, Any]:
+        logprobs = chat_logprobs(self.texts, list(chunk.logprobs)) if self.parsed.wants_logprobs else None
+        return {"logprobs": logprobs, "finish_reason": finish_reason_from_proto(chunk.finish_reason), "token_ids": list(chunk.token_ids)}
 
 
 # ---------------------------------------------------------------- helpers

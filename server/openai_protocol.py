@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from kvservice.core.logprobs import MAX_LOGPROBS
 from kvservice.core.sampling_params import MAX_STOP_TOKEN_IDS
 from kvservice.loading.chat_template import validate_conversation
 from kvservice.server.errors import message_for, status_for
@@ -47,11 +48,20 @@ class OpenAIError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
-    """A `/v1/completions` or `/v1/chat/completions` body, ready for the generation service."""
+    """A `/v1/completions` or `/v1/chat/completions` body, ready for the generation service.
+
+    `echo` (completions): the answer starts with the prompt (`prompt` is its text, or its
+    token ids), and with logprobs asked for, the prompt's tokens and logprobs come first."""
 
     generate_request: pb.GenerateRequest
     stream: bool
     include_usage: bool
+    echo: bool = False
+    prompt: str | list[int] | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.generate_request.sampling_params.HasField("logprobs")
 
 
 # The fields each endpoint understands. Anything else is refused with a 400 that names it:
@@ -61,7 +71,7 @@ _SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "see
                     "ignore_eos", "stream", "stream_options", "n", "user"}
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "best_of", "echo", "suffix", "logprobs"}
 CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice", "response_format",
-                                  "logprobs", "add_generation_prompt"}
+                                  "logprobs", "top_logprobs", "add_generation_prompt"}
 # Accepted when they ask for nothing (the neutral value some clients always send).
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
@@ -75,17 +85,23 @@ def parse_completion_request(body: Any, request_id: str, model_name: str) -> Par
     for name, allowed in (("n", 1), ("best_of", 1)):
         if body.get(name) not in (None, allowed):
             raise ValueError(f"{name}: only {allowed} is supported")
-    for name in ("echo", "suffix", "logprobs"):
-        if body.get(name) not in (None, False):
-            raise ValueError(f"{name}: not supported")
+    if body.get("suffix") is not None:
+        raise ValueError("suffix: not supported")
     generate_request = pb.GenerateRequest(request_id=request_id)
     prompt = _prompt(body.get("prompt"))
     if isinstance(prompt, str):
         generate_request.text = prompt
     else:
         generate_request.token_ids.ids.extend(prompt)
-    _sampling_params(body, generate_request.sampling_params, _optional(body, "max_tokens", int, DEFAULT_MAX_TOKENS))
-    return _parsed(body, generate_request)
+    sp = generate_request.sampling_params
+    _sampling_params(body, sp, _optional(body, "max_tokens", int, DEFAULT_MAX_TOKENS))
+    num_logprobs = _num_logprobs(body, "logprobs")
+    echo = _optional(body, "echo", bool, False)
+    if num_logprobs is not None:
+        sp.logprobs = num_logprobs
+        if echo:
+            sp.prompt_logprobs = num_logprobs
+    return _parsed(body, generate_request, echo=echo, prompt=prompt)
 
 
 def parse_chat_request(body: Any, request_id: str, model_name: str) -> ParsedRequest:
@@ -101,8 +117,6 @@ def parse_chat_request(body: Any, request_id: str, model_name: str) -> ParsedReq
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise ValueError("response_format: only {\"type\": \"text\"} is supported")
-    if body.get("logprobs") not in (None, False):
-        raise ValueError("logprobs: not supported")
     generate_request = pb.GenerateRequest(request_id=request_id)
     for message in validate_conversation(body.get("messages")):
         generate_request.chat.messages.add(role=message["role"], content=message.get("content", ""))
@@ -112,6 +126,11 @@ def parse_chat_request(body: Any, request_id: str, model_name: str) -> ParsedReq
     name = "max_completion_tokens" if max_tokens is not None else "max_tokens"
     # A chat answer ends at the end of the turn: without a limit it may run to the model's length.
     _sampling_params(body, generate_request.sampling_params, _optional(body, name, int, None))
+    num_top = _num_logprobs(body, "top_logprobs")
+    if _optional(body, "logprobs", bool, False):
+        generate_request.sampling_params.logprobs = num_top or 0
+    elif num_top is not None:
+        raise ValueError("top_logprobs: needs logprobs: true")
     return _parsed(body, generate_request)
 
 
@@ -145,12 +164,20 @@ def _sampling_params(body: dict[str, Any], sp: pb.SamplingParams, max_tokens: in
     sp.stop_token_ids.extend(_stop_token_ids(body.get("stop_token_ids"), "stop_token_ids"))
 
 
-def _parsed(body: dict[str, Any], generate_request: pb.GenerateRequest) -> ParsedRequest:
+def _parsed(body: dict[str, Any], generate_request: pb.GenerateRequest, **shape: Any) -> ParsedRequest:
     stream = _optional(body, "stream", bool, False)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ValueError("stream_options: expected an object")
-    return ParsedRequest(generate_request, stream, bool(options.get("include_usage", False)))
+    return ParsedRequest(generate_request, stream, bool(options.get("include_usage", False)), **shape)
+
+
+def _num_logprobs(body: dict[str, Any], name: str) -> int | None:
+    """`logprobs` (completions) or `top_logprobs` (chat): how many most likely tokens per position."""
+    value = _optional(body, name, int, None)
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ValueError(f"{name}: expected an integer in [0, {MAX_LOGPROBS}], got {value}")
+    return value
 
 
 def _prompt(value: Any) -> str | list[int]:
@@ -197,10 +224,15 @@ def _stop_token_ids(value: Any, name: str) -> list[int]:
     raise ValueError(f"{name}: expected {kinds}, got {value!r}")
 
 
-def usage(result: pb.CompleteResponse) -> dict[str, int]:
+def usage(result: pb.CompleteResponse) -> dict[str, Any]:
+    """Token counts; `prompt_tokens_details.cached_tokens`: the prompt tokens the worker that
+    prefilled found in its prefix cache (not computed for this request)."""
     completion = len(result.token_ids)
-    return {"prompt_tokens": result.num_prompt_tokens, "completion_tokens": completion,
-            "total_tokens": result.num_prompt_tokens + completion}
+    body: dict[str, Any] = {"prompt_tokens": result.num_prompt_tokens, "completion_tokens": completion,
+                            "total_tokens": result.num_prompt_tokens + completion}
+    if result.HasField("num_cached_tokens"):
+        body["prompt_tokens_details"] = {"cached_tokens": result.num_cached_tokens}
+    return body
 
 
 def error_body(error: BaseException) -> tuple[int, dict[str, Any]]:

@@ -22,7 +22,7 @@ from kvservice.engine.async_engine import AsyncLLMEngine
 from kvservice.engine.stop_checker import OutputText
 from kvservice.loading.tokenizer import Tokenizer
 from kvservice.runtime.finish_reason import finish_reason_to_proto
-from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
+from kvservice.server.convert import logprobs_to_proto, prompt_from_proto, sampling_params_from_proto
 from kvservice.server.errors import RequestFailed, ShuttingDown, abort_with
 from kvservice.server.kv_events import KVEventPublisher
 from kvservice.server.metrics import ServerMetrics
@@ -82,13 +82,20 @@ class PrefillWorkerService(EngineWorkerService):
                 completed = True
             first = last.token_ids[0]
             text, finish_reason = first_token_output(first, params, self.engine.engine.eos_token_ids, self.engine.engine.tokenizer)
-            return pb.PrefillResponse(
+            response = pb.PrefillResponse(
                 request_id=inner.request_id,
                 first_token_id=first,
                 text=text,
                 finish_reason=finish_reason_to_proto(finish_reason),
                 num_prompt_tokens=len(token_ids),
+                num_cached_tokens=last.num_cached_tokens or 0,
             )
+            if last.logprobs:
+                response.first_token_logprobs.CopyFrom(logprobs_to_proto(last.logprobs[:1])[0])
+            if last.prompt_logprobs is not None:
+                response.prompt_logprobs.extend(logprobs_to_proto(last.prompt_logprobs))
+                response.prompt_token_ids.extend(token_ids)
+            return response
         except Exception as e:
             await abort_with(context, e)
             raise  # abort raises; this line is never reached

@@ -10,6 +10,7 @@ import os
 import pathlib
 import signal
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 from grpc_reflection.v1alpha import reflection_pb2_grpc
 from hf_models import save_random_model
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvservice import LLM, SamplingParams
 from kvservice.client.client import KVServiceClient
@@ -272,3 +274,22 @@ def tiny_pull_request(block_size: int, request_id: str, token: bytes) -> pb.Pull
         request_id=request_id, transfer_token=token, num_layers=layout.num_layers, block_size=layout.block_size,
         num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=wire.dtype_name(layout.dtype),
     )
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(address: str) -> Samples:
+    """A server's /metrics at `address` (HOST:PORT), by (sample name, sorted labels)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def metric_value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)

@@ -8,11 +8,12 @@ the prefill worker, while long prompts do. Outputs equal the tiny model's greedy
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import grpc
 import pytest
-from conftest import all_worker_stats, local_cluster, tiny_greedy, wait_for, wait_for_stats, worker_stats
+from conftest import all_worker_stats, local_cluster, metric_value, scrape, tiny_greedy, wait_for, wait_for_stats, worker_stats
 
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
@@ -131,7 +132,7 @@ async def test_short_prompts_and_next_turns_never_reach_the_prefill_worker() -> 
     short = random_tokens(40, seed=2)
     first_turn = random_tokens(200, seed=3)
     long_prompt = random_tokens(300, seed=4)
-    proxy_args = ("--max-local-prefill-tokens", "128")
+    proxy_args = ("--max-local-prefill-tokens", "128", "--metrics-port", "0")
     async with local_cluster("tiny", num_prefill=1, num_decode=1, worker_args=WORKER_ARGS, proxy_args=proxy_args) as cluster:
         [prefill], [decode] = cluster.prefill_addresses, cluster.decode_addresses
         start = await worker_stats(prefill)
@@ -152,6 +153,10 @@ async def test_short_prompts_and_next_turns_never_reach_the_prefill_worker() -> 
         await wait_for_stats([prefill], lambda s: s[prefill].num_finished_requests == unchanged.num_finished_requests + 1, "the long prompt prefilled")
         stats = await worker_stats(decode)
         assert stats.kv_receiving.num_failed_transfers == 0
+        # The proxy counts where each prompt was prefilled: the short one and the next turn locally.
+        metrics = await asyncio.to_thread(scrape, cluster.child("proxy").metrics_address)
+        assert metric_value(metrics, "kvservice_requests_prefilled_total", where="decode_worker") == 2
+        assert metric_value(metrics, "kvservice_requests_prefilled_total", where="prefill_worker") == 2
 
 
 async def test_a_colocated_worker_publishes_what_it_caches() -> None:

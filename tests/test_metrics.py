@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 import pytest_asyncio
-from conftest import local_cluster
-from prometheus_client.parser import text_string_to_metric_families
+from conftest import Samples, local_cluster, metric_value, scrape
 
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
@@ -20,28 +18,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 NUM_REQUESTS = 4
 MAX_TOKENS = 5
 WORKER_ARGS = ("--num-threads", "1", "--metrics-port", "0", "--num-blocks", "64", "--max-model-len", "128")
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scrape(address: str) -> Samples:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as response:
-        assert response.headers["Content-Type"].startswith("text/plain")
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
 async def scrape_all(cluster: LocalCluster) -> dict[str, Samples]:
     names = [c.name for c in cluster.children]
     found = await asyncio.gather(*(asyncio.to_thread(scrape, cluster.child(n).metrics_address) for n in names))
     return dict(zip(names, found))
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -52,8 +32,8 @@ async def cluster() -> AsyncIterator[LocalCluster]:
 
 async def test_metrics_move_with_traffic(cluster: LocalCluster) -> None:
     before = await scrape_all(cluster)
-    assert value(before["proxy"], "kvservice_requests_total", outcome="ok") == 0
-    assert value(before["proxy"], "kvservice_workers_healthy", role="decode") == 1
+    assert metric_value(before["proxy"], "kvservice_requests_total", outcome="ok") == 0
+    assert metric_value(before["proxy"], "kvservice_workers_healthy", role="decode") == 1
     assert ("kvservice_spec_acceptance_rate", ()) in before["decode-0"]
     assert ("kvservice_spec_draft_tokens_total", ()) in before["decode-0"]
 
@@ -69,27 +49,30 @@ async def test_metrics_move_with_traffic(cluster: LocalCluster) -> None:
     after = await scrape_all(cluster)
     proxy, prefill, decode = after["proxy"], after["prefill-0"], after["decode-0"]
     # Client requests on the proxy: one observation per successful request in every histogram.
-    assert value(proxy, "kvservice_requests_total", outcome="ok") == NUM_REQUESTS
-    assert value(proxy, "kvservice_requests_total", outcome="invalid_argument") == 1
+    assert metric_value(proxy, "kvservice_requests_total", outcome="ok") == NUM_REQUESTS
+    assert metric_value(proxy, "kvservice_requests_total", outcome="invalid_argument") == 1
     for histogram in ("time_to_first_token", "time_to_second_token", "time_per_output_token", "e2e_request_latency"):
-        assert value(proxy, f"kvservice_{histogram}_seconds_count") == NUM_REQUESTS, histogram
-        assert value(proxy, f"kvservice_{histogram}_seconds_sum") > 0, histogram
-    assert value(proxy, "kvservice_num_requests_running") == 0
+        assert metric_value(proxy, f"kvservice_{histogram}_seconds_count") == NUM_REQUESTS, histogram
+        assert metric_value(proxy, f"kvservice_{histogram}_seconds_sum") > 0, histogram
+    assert metric_value(proxy, "kvservice_num_requests_running") == 0
+    # Every prompt was prefilled on the prefill worker (none on the decode worker itself).
+    assert metric_value(proxy, "kvservice_requests_prefilled_total", where="prefill_worker") == NUM_REQUESTS
+    assert metric_value(proxy, "kvservice_requests_prefilled_total", where="decode_worker") == 0
     # The decode worker generated every token; the prefill worker only the first.
-    assert value(decode, "kvservice_requests_total", outcome="ok") == NUM_REQUESTS
-    assert value(decode, "kvservice_time_per_output_token_seconds_count") == NUM_REQUESTS
-    assert value(prefill, "kvservice_requests_total", outcome="ok") == NUM_REQUESTS
-    assert value(prefill, "kvservice_time_to_first_token_seconds_count") == NUM_REQUESTS
-    assert value(prefill, "kvservice_time_to_second_token_seconds_count") == 0
+    assert metric_value(decode, "kvservice_requests_total", outcome="ok") == NUM_REQUESTS
+    assert metric_value(decode, "kvservice_time_per_output_token_seconds_count") == NUM_REQUESTS
+    assert metric_value(prefill, "kvservice_requests_total", outcome="ok") == NUM_REQUESTS
+    assert metric_value(prefill, "kvservice_time_to_first_token_seconds_count") == NUM_REQUESTS
+    assert metric_value(prefill, "kvservice_time_to_second_token_seconds_count") == 0
     # The KV went from the prefill to the decode worker: same bytes on both sides.
-    sent = value(prefill, "kvservice_kv_transfer_bytes_total", direction="send")
-    assert sent > 0 and sent == value(decode, "kvservice_kv_transfer_bytes_total", direction="recv")
-    assert value(decode, "kvservice_kv_transfers_total", direction="recv") == NUM_REQUESTS
-    assert value(decode, "kvservice_kv_transfer_seconds_total", direction="recv") > 0
-    assert value(decode, "kvservice_kv_transfer_failures_total", direction="recv") == 0
-    assert value(prefill, "kvservice_kv_staging_capacity_bytes") > 0
+    sent = metric_value(prefill, "kvservice_kv_transfer_bytes_total", direction="send")
+    assert sent > 0 and sent == metric_value(decode, "kvservice_kv_transfer_bytes_total", direction="recv")
+    assert metric_value(decode, "kvservice_kv_transfers_total", direction="recv") == NUM_REQUESTS
+    assert metric_value(decode, "kvservice_kv_transfer_seconds_total", direction="recv") > 0
+    assert metric_value(decode, "kvservice_kv_transfer_failures_total", direction="recv") == 0
+    assert metric_value(prefill, "kvservice_kv_staging_capacity_bytes") > 0
     for worker in (prefill, decode):
-        assert value(worker, "kvservice_kv_blocks_free") + value(worker, "kvservice_kv_blocks_used") == 64
+        assert metric_value(worker, "kvservice_kv_blocks_free") + metric_value(worker, "kvservice_kv_blocks_used") == 64
         # Every 7-token prompt was looked up in the prefix cache; none fills a block to match.
-        assert value(worker, "kvservice_prefix_cache_queries_total") == 7 * NUM_REQUESTS
-        assert value(worker, "kvservice_prefix_cache_hits_total") == 0
+        assert metric_value(worker, "kvservice_prefix_cache_queries_total") == 7 * NUM_REQUESTS
+        assert metric_value(worker, "kvservice_prefix_cache_hits_total") == 0

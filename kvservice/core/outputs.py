@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from kvservice.core.request import Request
+from kvservice.core.logprobs import TokenLogprobs
+from kvservice.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from kvservice.core.block_pool import KVCacheEvent
@@ -83,12 +84,37 @@ class KVConnectorOutput:
 
 @dataclass(frozen=True, slots=True)
 class EngineCoreOutput:
-    """New tokens of one request after a step; `finish_reason` set on its last output."""
+    """New tokens of one request after a step; `finish_reason` set on its last output.
+
+    `logprobs` (when asked for) has one entry per new token. The first output with tokens
+    carries `num_cached_tokens` (prompt tokens found in the prefix cache) and, when asked
+    for, `prompt_logprobs` (one per prompt position from 1 on)."""
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int | None = None
+
+
+def request_output(
+    request: Request, token_ids: list[int], status: RequestStatus | None, logprobs: list[TokenLogprobs] | None, is_first: bool
+) -> EngineCoreOutput:
+    """A request's output for this step; its first one also carries the prompt's cache hit
+    and, where asked for and gathered, its prompt logprobs (sent once)."""
+    prompt_logprobs = None
+    if is_first and request.sampling_params.prompt_logprobs is not None and not request.needs_prompt_logprobs:
+        prompt_logprobs = list(request.prompt_logprobs)
+    return EngineCoreOutput(
+        request.request_id,
+        token_ids,
+        status.finish_reason if status else None,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        num_cached_tokens=request.num_cached_tokens if is_first else None,
+    )
 
 
 @dataclass(frozen=True, slots=True)

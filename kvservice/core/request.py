@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvservice.core.logprobs import TokenLogprobs
 from kvservice.core.sampling_params import SamplingParams
 
 # Request ids key state on every server (and are logged): bounded and printable.
@@ -90,11 +91,19 @@ class Request:
     # manager), and how many prompt tokens the last admission found cached.
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Prompt logprobs (`sampling_params.prompt_logprobs`): one per prompt position from 1 on,
+    # gathered chunk by chunk (a recomputed prompt skips them) and sent with the first output.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_token_ids: frozenset[int] = field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.stop_token_ids = frozenset(self.sampling_params.stop_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs are asked for and not all gathered yet."""
+        return self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvservice.core.logprobs import check_num_logprobs
+
 _GREEDY_EPSILON = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -21,6 +23,10 @@ class SamplingParams:
     A request with a `seed` samples reproducibly, whatever else is in the batch.
     `stop` strings end the request when its text contains one; the text returned stops
     before it (a str or any sequence of str is accepted, stored as a tuple).
+    `logprobs=K` reports each generated token's logprob with the K most likely tokens
+    (0: the token's own only); `prompt_logprobs=K` does the same for every prompt token
+    after the first. Either is at most MAX_LOGPROBS; None reports none. A request with
+    prompt logprobs computes its whole prompt (its prefix is not taken from the cache).
     """
 
     temperature: float = 1.0
@@ -31,6 +37,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     stop: tuple[str, ...] = field(default_factory=tuple)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # NaN compares False with everything: check finiteness first, or `nan < 0` lets it in.
@@ -46,6 +54,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS} are allowed")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+        check_num_logprobs(self.logprobs, "logprobs")
+        check_num_logprobs(self.prompt_logprobs, "prompt_logprobs")
         # Accept any iterable of ids (a list from user code) but store a tuple: frozen stays frozen.
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop", _validate_stop(self.stop))

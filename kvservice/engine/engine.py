@@ -15,6 +15,7 @@ from kvservice.connector.base import KVConnectorBase
 from kvservice.core.block_hash import hash_seed
 from kvservice.core.block_pool import KVCacheEvent
 from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.core.logprobs import TokenLogprobs
 from kvservice.core.outputs import EngineCoreOutput
 from kvservice.core.request import Request, RequestStatus, check_request_id
 from kvservice.core.sampling_params import SamplingParams
@@ -31,7 +32,12 @@ from kvservice.worker.model_runner import ModelRunner
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A request's state after a step: all its generated tokens so far, plus what is new."""
+    """A request's state after a step: all its generated tokens so far, plus what is new.
+
+    With `SamplingParams.logprobs`, `logprobs` (all so far) and `new_logprobs` have one entry
+    per token of `token_ids` and `new_token_ids`. From the first output with tokens on,
+    `num_cached_tokens` is the number of prompt tokens found in the prefix cache and, with
+    `SamplingParams.prompt_logprobs`, `prompt_logprobs` has one entry per prompt token after the first."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -41,6 +47,10 @@ class RequestOutput:
     new_text: str
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -52,6 +62,11 @@ class _Tracked:
     prompt_token_ids: list[int]
     output_text: OutputText
     token_ids: list[int] = field(default_factory=list)
+    wants_logprobs: bool = False
+    # All of them so far (not for a resumed stream, whose first tokens' came from elsewhere).
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int | None = None
 
 
 class LLMEngine:
@@ -157,7 +172,10 @@ class LLMEngine:
         )
         self.scheduler.add_request(request)
         # Outputs read as the original request's, continued: resumed tokens count as output.
-        self._tracked[request_id] = _Tracked(token_ids[: len(token_ids) - len(resumed)], output_text, resumed)
+        self._tracked[request_id] = _Tracked(
+            token_ids[: len(token_ids) - len(resumed)], output_text, resumed, params.logprobs is not None,
+            [] if params.logprobs is not None and not resumed else None,
+        )
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -174,7 +192,11 @@ class LLMEngine:
         self.is_last_step_idle = scheduler_output.num_scheduled_tokens == 0 and not scheduler_output.preempted_req_ids
         runner_output = self.runner.execute_model(scheduler_output, eager_finalize=eager_finalize)
         core_outputs = self.scheduler.update_from_output(
-            scheduler_output, runner_output.sampled_token_ids, runner_output.kv_connector_output
+            scheduler_output,
+            runner_output.sampled_token_ids,
+            runner_output.kv_connector_output,
+            runner_output.logprobs,
+            runner_output.prompt_logprobs,
         )
         return [out for core in core_outputs if (out := self._to_request_output(core)) is not None]
 
@@ -186,6 +208,15 @@ class LLMEngine:
         num_kept, new_text = tracked.output_text.push(core.new_token_ids, is_last=finish_reason is not None)
         new_token_ids = list(core.new_token_ids[:num_kept])
         tracked.token_ids.extend(new_token_ids)
+        new_logprobs = None
+        if tracked.wants_logprobs:
+            new_logprobs = list(core.logprobs[:num_kept]) if core.logprobs is not None else []
+            if tracked.logprobs is not None:
+                tracked.logprobs.extend(new_logprobs)
+        if core.prompt_logprobs is not None:
+            tracked.prompt_logprobs = core.prompt_logprobs
+        if core.num_cached_tokens is not None:
+            tracked.num_cached_tokens = core.num_cached_tokens
         if tracked.output_text.is_stopped:
             if finish_reason is None:
                 # The scheduler goes on until told: end the request there, its blocks free now.
@@ -202,6 +233,10 @@ class LLMEngine:
             new_text=new_text,
             finish_reason=finish_reason,
             error=core.error,
+            logprobs=None if tracked.logprobs is None else list(tracked.logprobs),
+            new_logprobs=new_logprobs,
+            prompt_logprobs=tracked.prompt_logprobs,
+            num_cached_tokens=tracked.num_cached_tokens,
         )
 
     # ------------------------------------------------------------ introspection
@@ -229,4 +264,5 @@ def _resumed_params(params: SamplingParams, num_resumed: int) -> SamplingParams:
     """The limits of what is left to generate after `num_resumed` tokens."""
     if num_resumed >= params.max_tokens:
         raise ValueError(f"resume_token_ids: {num_resumed} tokens already reach max_tokens ({params.max_tokens})")
-    return dataclasses.replace(params, max_tokens=params.max_tokens - num_resumed)
+    # The prompt's logprobs went out with the stream's first output.
+    return dataclasses.replace(params, max_tokens=params.max_tokens - num_resumed, prompt_logprobs=None)

@@ -25,6 +25,7 @@ from collections import deque
 
 from kvservice.connector.base import KVConnectorBase
 from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.core.logprobs import TokenLogprobs
 from kvservice.core.outputs import (
     EngineCoreOutput,
     KVConnectorOutput,
@@ -32,6 +33,7 @@ from kvservice.core.outputs import (
     SchedulerOutput,
     SchedulerStats,
     SpecDecodingStats,
+    request_output,
 )
 from kvservice.core.request import Request, RequestStatus
 
@@ -214,14 +216,20 @@ class Scheduler:
         scheduler_output: SchedulerOutput,
         sampled_token_ids: dict[str, list[int]],
         connector_output: KVConnectorOutput | None = None,
+        logprobs: dict[str, list[TokenLogprobs]] | None = None,
+        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[EngineCoreOutput]:
         """Advance the scheduled requests by the step's results: per sampling request, the
-        accepted draft tokens (if any) then one token from the target. Returns the new tokens."""
+        accepted draft tokens (if any) then one token from the target, with their `logprobs`
+        where asked for; `prompt_logprobs` continue what each request has gathered.
+        Returns the new tokens."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        logprobs, prompt_logprobs = logprobs or {}, prompt_logprobs or {}
         for item in scheduler_output.scheduled:
             request = item.request
             if request.status is not RequestStatus.RUNNING:
                 continue
+            request.prompt_logprobs.extend(prompt_logprobs.get(request.request_id, ()))
             token_ids = sampled_token_ids.get(request.request_id)
             if token_ids is None:
                 request.num_computed_tokens += item.num_new_tokens
@@ -243,10 +251,12 @@ class Scheduler:
                 status = request.check_stop()
                 if status is not None:
                     break
+            is_first = request.num_output_tokens == len(appended)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
-            outputs.append(EngineCoreOutput(request.request_id, appended, status.finish_reason if status else None))
+            token_logprobs = logprobs.get(request.request_id)
+            outputs.append(request_output(request, appended, status, token_logprobs and token_logprobs[: len(appended)], is_first))
         if connector_output is not None:
             outputs.extend(self._update_from_connector(connector_output))
         return outputs
@@ -295,6 +305,8 @@ class Scheduler:
         """The blocks of the request's longest cached prefix. Its last token is computed
         here (its logits give the first token) unless a remote prefill sends that token."""
         remote_first_token = self.connector is not None and self.connector.supplies_first_token(request)
+        if request.needs_prompt_logprobs and not remote_first_token:
+            return []  # every prompt position it reports must be computed here
         max_tokens = request.num_prompt_tokens if remote_first_token else request.num_tokens - 1
         return self.kv.find_cached_prefix(request, max_tokens)
 
@@ -366,7 +378,8 @@ class Scheduler:
         else:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-        return [EngineCoreOutput(request.request_id, [first_token], status.finish_reason if status else None)]
+        # The first token's logprobs (and the prompt's) are the prefill worker's to report.
+        return [request_output(request, [first_token], status, None, is_first=True)]
 
     def _handle_load_failure(self, request: Request) -> list[EngineCoreOutput]:
         request.kv_transfer_params = None
@@ -384,3 +397,4 @@ class Scheduler:
         request.error = error
         self._finish(request, RequestStatus.FINISHED_ERROR)
         return [EngineCoreOutput(request.request_id, [], "error", error)]
+

@@ -18,12 +18,14 @@ from kvservice.connector.lifecycle import (
     kv_connector_no_forward,
     maybe_get_kv_connector_output,
 )
+from kvservice.core.logprobs import TokenLogprobs
 from kvservice.core.outputs import KVConnectorOutput, ScheduledRequest, SchedulerOutput
 from kvservice.model.cpu_kernels import load_cpu_kernels
 from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.model.model import CausalLM
 from kvservice.worker.draft_proposer import DraftProposer
 from kvservice.worker.input_batch import BatchItem, InputBatch, build_batch
+from kvservice.worker.logprobs import token_logprobs
 from kvservice.worker.rejection_sampler import verify_draft_tokens
 from kvservice.worker.sampler import Sampler
 
@@ -33,6 +35,11 @@ class ModelRunnerOutput:
     # Per sampling request: the accepted draft tokens, then one token from the target.
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
+    # Requests that asked for logprobs: one per sampled token.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Requests that asked for prompt logprobs: those of the prompt positions this step
+    # computed, in order, continuing what the request has gathered.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -86,21 +93,26 @@ class ModelRunner:
         draft_overlaps_save = self.drafter is not None and not eager_finalize
         with maybe_get_kv_connector_output(self.connector, scheduler_output, defer_finalize or draft_overlaps_save) as kv_output:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, self.connector)
-        sampled = self._sample(scheduled, batch, hidden)
+        sampled, logits = self._sample(scheduled, batch, hidden)
         if self.drafter is not None:
             self.drafter.propose(scheduled, sampled, self.sampler)
             if draft_overlaps_save and not defer_finalize:
                 self.finalize()
-        return ModelRunnerOutput(sampled, kv_output)
+        return ModelRunnerOutput(
+            sampled, kv_output, self._sampled_logprobs(scheduled, sampled, logits), self._prompt_logprobs(scheduled, batch, hidden)
+        )
 
     def finalize(self) -> None:
         finalize_kv_connector(self.connector)
 
-    def _sample(self, scheduled: list[ScheduledRequest], batch: InputBatch, hidden: torch.Tensor) -> dict[str, list[int]]:
-        """Plain requests sample one token (batched); speculative ones verify their drafts."""
+    def _sample(
+        self, scheduled: list[ScheduledRequest], batch: InputBatch, hidden: torch.Tensor
+    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+        """Plain requests sample one token (batched); speculative ones verify their drafts.
+        Returns the tokens, and the logits rows they came from for requests that want logprobs."""
         sampling = [(i, s) for i, s in enumerate(scheduled) if s.is_sampling]
         if not sampling:
-            return {}
+            return {}, {}
         rows: list[int] = []
         for i, s in sampling:
             rows.extend(batch.last_indices(i, 1 + len(s.spec_token_ids)))
@@ -126,7 +138,63 @@ class ModelRunner:
             sampled[request.request_id] = verify_draft_tokens(
                 target_logits, s.spec_token_ids, draft_probs, params, self.sampler.generator_for(request.request_id, params)
             )
-        return sampled
+        wanted = {
+            s.request.request_id: logits[offsets[n] : offsets[n] + len(sampled[s.request.request_id])]
+            for n, (_, s) in enumerate(sampling)
+            if s.request.sampling_params.logprobs is not None
+        }
+        return sampled, wanted
+
+    def _sampled_logprobs(
+        self, scheduled: list[ScheduledRequest], sampled: dict[str, list[int]], logits: dict[str, torch.Tensor]
+    ) -> dict[str, list[TokenLogprobs]]:
+        """Each sampled token's logprobs, from the row that produced it (row j of a speculative
+        request: the j-th accepted token, then the target's own)."""
+        if not logits:
+            return {}
+        params = {s.request.request_id: s.request.sampling_params for s in scheduled}
+        request_ids = list(logits)
+        rows = torch.cat([logits[r] for r in request_ids])
+        tokens = [t for r in request_ids for t in sampled[r]]
+        num_top = max(params[r].logprobs or 0 for r in request_ids)
+        flat = token_logprobs(rows, tokens, num_top)
+        out: dict[str, list[TokenLogprobs]] = {}
+        start = 0
+        for request_id in request_ids:
+            k = params[request_id].logprobs or 0
+            out[request_id] = [_with_top(lp, k) for lp in flat[start : start + len(sampled[request_id])]]
+            start += len(sampled[request_id])
+        return out
+
+    def _prompt_logprobs(
+        self, scheduled: list[ScheduledRequest], batch: InputBatch, hidden: torch.Tensor
+    ) -> dict[str, list[TokenLogprobs]]:
+        """The logprobs of the prompt tokens this step's chunks predict: the row at position p
+        gives those of the prompt's token p + 1 (positions gathered before are skipped)."""
+        out: dict[str, list[TokenLogprobs]] = {}
+        for i, s in enumerate(scheduled):
+            request = s.request
+            if not request.needs_prompt_logprobs:
+                continue
+            start = request.num_computed_tokens  # position of the chunk's first token
+            num_run = s.num_new_tokens - len(s.spec_token_ids)
+            first = max(start, len(request.prompt_logprobs))  # first position whose successor is wanted
+            last = min(start + num_run, request.num_prompt_tokens - 1)  # one past the last
+            if first >= last:
+                continue
+            flat_start = batch.ends[i] - num_run
+            rows = torch.arange(flat_start + first - start, flat_start + last - start, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            targets = request.all_token_ids[first + 1 : last + 1]
+            out[request.request_id] = token_logprobs(logits, targets, request.sampling_params.prompt_logprobs or 0)
+        return out
+
+
+def _with_top(logprobs: TokenLogprobs, num_top: int) -> TokenLogprobs:
+    """`logprobs` with its top list cut to `num_top` (rows were computed for the batch's largest)."""
+    if len(logprobs.top) == num_top:
+        return logprobs
+    return TokenLogprobs(logprobs.token_id, logprobs.logprob, logprobs.rank, logprobs.top[:num_top])
 
 
 def _row_offsets(sampling: list[ScheduledRequest]) -> list[int]:

@@ -138,12 +138,21 @@ class ProxyService(StreamingGenerationService):
             pb.DecodeRequest(request=inner), timeout=self.request_timeout, metadata=decode_worker.metadata
         )
         try:
+            is_first = True
             async for response in call:
+                if is_first:
+                    self._count_prefilled("decode_worker")
+                    is_first = False
                 yield response
         except grpc.aio.AioRpcError as e:
             raise self._decode_error(decode_worker, e) from None
         finally:
             call.cancel()
+
+    def _count_prefilled(self, where: str) -> None:
+        """One request's prompt was prefilled `where` (counted once its first token is out)."""
+        assert self.metrics.requests_prefilled is not None
+        self.metrics.requests_prefilled.labels(where).inc()
 
     async def _disaggregated(
         self, prefill_worker: WorkerHandle, decode_worker: WorkerHandle, inner: pb.GenerateRequest
@@ -171,6 +180,10 @@ class ProxyService(StreamingGenerationService):
         try:
             first: pb.PrefillResponse | None = None
             await asyncio.wait({prefill, next_decode}, return_when=asyncio.FIRST_COMPLETED)
+            if not prefill.done() and _asks_for_logprobs(inner):
+                # Only the prefill reports the first token's and the prompt's logprobs: the
+                # decode worker got its KV, so the prefill's answer is on its way.
+                await asyncio.wait({prefill})
             if not prefill.done():
                 # Left running (cancelled only if still pending when the request ends): cancelling
                 # a prefill that is about to return would fail a transfer the decode worker holds.
@@ -184,14 +197,10 @@ class ProxyService(StreamingGenerationService):
                     # The decode worker's pull fails too, and it recomputes: keep streaming from it.
                     self._note_failure(self.prefill, prefill_worker, e)
                     logger.warning("request %s: prefill on %s failed (%s); the decode worker recomputes", inner.request_id, prefill_worker.address, e.code().name)
+            # A prefill still running counts as its own: the decode worker answered first, normally with the pulled KV.
+            self._count_prefilled("prefill_worker" if first is not None or not prefill.done() else "decode_worker")
             if first is not None:
-                yield pb.GenerateResponse(
-                    request_id=inner.request_id,
-                    token_ids=[first.first_token_id],
-                    text=first.text,
-                    finish_reason=first.finish_reason,
-                    num_prompt_tokens=first.num_prompt_tokens,
-                )
+                yield _first_response(inner.request_id, first)
                 if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     return
             skip_first = first is not None
@@ -307,6 +316,33 @@ def _without_first_token(response: pb.GenerateResponse, sent_text: str) -> pb.Ge
     rest = pb.GenerateResponse()
     rest.CopyFrom(response)
     del rest.token_ids[0]
+    if rest.logprobs:
+        del rest.logprobs[0]
+    rest.ClearField("prompt_logprobs")  # the prefill's were sent
+    rest.ClearField("prompt_token_ids")
+    rest.ClearField("num_cached_tokens")
     if not rest.token_ids:
         rest.text = rest.text[len(sent_text) :] if rest.text.startswith(sent_text) else ""
     return rest
+
+
+def _asks_for_logprobs(request: pb.GenerateRequest) -> bool:
+    sp = request.sampling_params
+    return sp.HasField("logprobs") or sp.HasField("prompt_logprobs")
+
+
+def _first_response(request_id: str, first: pb.PrefillResponse) -> pb.GenerateResponse:
+    """The prefill's first token as the stream's first chunk, with what the prompt gave."""
+    response = pb.GenerateResponse(
+        request_id=request_id,
+        token_ids=[first.first_token_id],
+        text=first.text,
+        finish_reason=first.finish_reason,
+        num_prompt_tokens=first.num_prompt_tokens,
+        prompt_logprobs=first.prompt_logprobs,
+        num_cached_tokens=first.num_cached_tokens,
+        prompt_token_ids=first.prompt_token_ids,
+    )
+    if first.HasField("first_token_logprobs"):
+        response.logprobs.append(first.first_token_logprobs)
+    return response
