@@ -30,7 +30,7 @@ print(json.dumps({m: sorted(graph.find_modules_directly_imported_by(m)) for m in
 # The library's rooms (subpackages, plus the shared top-level `config`) and the rooms each may
 # import. Lower rooms never import higher ones, so the package graph is a DAG:
 #   core <- model <- connector <- worker <- engine, with loading (-> model) beside the model
-#   and runtime (flags, TLS, process env) beside everything.
+#   and runtime (flags, TLS, process env) beside everything; structured (grammars) beside the engine.
 ROOMS: dict[str, set[str]] = {
     "config": set(),
     "v1": set(),  # generated gRPC stubs
@@ -41,6 +41,8 @@ ROOMS: dict[str, set[str]] = {
     "connector": {"config", "core", "model", "runtime", "v1"},
     "worker": {"config", "core", "model", "connector"},
     "engine": {"config", "core", "model", "worker", "loading", "connector"},
+    # Grammars for structured output: params from core, tokenizers from loading (and torch for the masks).
+    "structured": {"core", "loading"},
 }
 # What the worker and the engine may know of the connector room: the contract, never a transport.
 CONNECTOR_CONTRACT = {"kvservice.connector", "kvservice.connector.base", "kvservice.connector.lifecycle"}
