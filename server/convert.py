@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from kvservice.core.block_pool import KVCacheEvent
 from kvservice.core.logprobs import TokenLogprobs
 from kvservice.core.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from kvservice.core.structured_output import StructuredOutputParams
 from kvservice.loading.chat_template import ChatPrompt, Prompt, ResumedPrompt
 from kvservice.runtime.finish_reason import finish_reason_to_proto
 from kvservice.v1 import kvservice_pb2 as pb
@@ -38,9 +39,35 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
             stop=tuple(sp.stop),
             logprobs=sp.logprobs if sp.HasField("logprobs") else None,
             prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
+            structured_output=structured_output_from_proto(sp.structured_output) if sp.HasField("structured_output") else None,
+            n=sp.n if sp.HasField("n") else 1,
         )
     except ValueError as e:
         raise ValueError(f"sampling_params.{e}") from None
+
+
+def structured_output_from_proto(so: pb.StructuredOutput) -> StructuredOutputParams:
+    kind = so.WhichOneof("constraint")
+    if kind is None:
+        raise ValueError("structured_output: set one of json_schema, json_object, regex, choice or grammar")
+    if kind == "choice":
+        return StructuredOutputParams(choice=tuple(so.choice.choices))
+    return StructuredOutputParams(**{kind: getattr(so, kind)})
+
+
+def structured_output_to_proto(params: StructuredOutputParams, so: pb.StructuredOutput) -> None:
+    """Fill `so` (a field of a request being built) from `params`."""
+    if params.json_schema is not None:
+        so.json_schema = params.json_schema
+    elif params.json_object:
+        so.json_object = True
+    elif params.regex is not None:
+        so.regex = params.regex
+    elif params.choice is not None:
+        so.choice.choices.extend(params.choice)
+    else:
+        assert params.grammar is not None  # StructuredOutputParams holds exactly one constraint
+        so.grammar = params.grammar
 
 
 def check_prompt_length(request: pb.GenerateRequest, max_model_len: int) -> None:
@@ -86,14 +113,15 @@ def _base_prompt(request: pb.GenerateRequest, max_model_len: int) -> str | list[
 
 
 def response_from_output(output: RequestOutput, is_first: bool) -> pb.GenerateResponse:
-    """The output's new tokens as one chunk; the first chunk also carries what the prompt
-    gave (its logprobs when asked for, its prefix-cache hit)."""
+    """The output's new tokens as one chunk; a sequence's first chunk also carries what the
+    prompt gave (its logprobs when asked for, its prefix-cache hit)."""
     response = pb.GenerateResponse(
         request_id=output.request_id,
         token_ids=output.new_token_ids,
         text=output.new_text,
         finish_reason=finish_reason_to_proto(output.finish_reason),
         num_prompt_tokens=len(output.prompt_token_ids),
+        index=output.index,
     )
     if output.new_logprobs:
         response.logprobs.extend(logprobs_to_proto(output.new_logprobs))

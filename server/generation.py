@@ -32,12 +32,37 @@ async def stream_responses(
     kv_transfer_params: dict[str, Any] | None = None,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """One response per engine output; an engine-side error raises RequestFailed."""
-    is_first = True
+    started: set[int] = set()  # sequences whose first tokens went out
     async for out in engine.generate(prompt, params, request_id, kv_transfer_params):
         if out.error is not None:
             raise RequestFailed(out.error)
-        yield response_from_output(out, is_first and bool(out.new_token_ids))
-        is_first = is_first and not out.new_token_ids
+        yield response_from_output(out, out.index not in started and bool(out.new_token_ids))
+        if out.new_token_ids:
+            started.add(out.index)
+
+
+class CompleteResponses:
+    """A stream's chunks gathered per sequence into the non-streaming form."""
+
+    def __init__(self) -> None:
+        self.sequences: dict[int, pb.CompleteResponse] = {}
+
+    def add(self, response: pb.GenerateResponse) -> pb.CompleteResponse:
+        """Merge one chunk into its sequence; returns that sequence so far."""
+        sequence = self.sequences.get(response.index)
+        if sequence is None:
+            sequence = self.sequences[response.index] = pb.CompleteResponse(index=response.index)
+        merge_into_complete(sequence, response)
+        return sequence
+
+    def result(self) -> pb.CompleteResponse:
+        """Sequence 0's fields, plus every sequence in `sequences` when there are several."""
+        result = pb.CompleteResponse()
+        if 0 in self.sequences:
+            result.CopyFrom(self.sequences[0])
+        if len(self.sequences) > 1:
+            result.sequences.extend(self.sequences[i] for i in sorted(self.sequences))
+        return result
 
 
 def merge_into_complete(result: pb.CompleteResponse, response: pb.GenerateResponse) -> None:
@@ -69,10 +94,10 @@ class StreamingGenerationService(pb_grpc.GenerationServicer):
             await abort_with(context, e)
 
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
-        result = pb.CompleteResponse()
+        gathered = CompleteResponses()
         try:
             async for response in self.responses(request):
-                merge_into_complete(result, response)
+                gathered.add(response)
         except Exception as e:
             await abort_with(context, e)
-        return result
+        return gathered.result()

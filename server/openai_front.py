@@ -16,9 +16,13 @@ with `--http-port`) and sends every request down the same path as the gRPC `Gene
   the prompt's tokens and logprobs first), chat `logprobs: true` with `top_logprobs: K`;
   K at most 20, streamed with each token;
 - `usage.prompt_tokens_details.cached_tokens`: the prompt tokens found in the prefix cache;
-- refused with 400, naming the field: `n` > 1, `best_of` > 1, `suffix`, tools, a
-  `response_format` other than text, and any field the front does not know (a penalty or
-  a logit bias is not silently ignored).
+- structured output: chat `response_format` (`json_object`, `json_schema`) and vLLM's
+  `structured_outputs` (`json`, `json_object`, `regex`, `choice`, `grammar`) on both; a
+  schema feature the engine cannot enforce is a 400 naming it;
+- `n` sequences (best_of, if given, must equal n), one choice each; the prompt is
+  computed once and its KV travels once;
+- refused with 400, naming the field: `suffix`, `echo` with n > 1, tools, and any field
+  the front does not know (a penalty or a logit bias is not silently ignored).
 
 Streams send one event per engine step (a token, or the accepted tokens of a
 speculative step); a chat stream's first event carries the role, then content deltas,
@@ -43,7 +47,7 @@ from kvservice.core.request import check_request_id
 from kvservice.loading.tokenizer import Tokenizer
 from kvservice.runtime.finish_reason import finish_reason_from_proto
 from kvservice.server.auth import BearerToken
-from kvservice.server.generation import StreamingGenerationService, merge_into_complete, new_request_id
+from kvservice.server.generation import CompleteResponses, StreamingGenerationService, new_request_id
 from kvservice.server.openai_logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from kvservice.server.openai_protocol import (
     OpenAIError,
@@ -205,18 +209,18 @@ class OpenAIFront:
         self, headers: dict[str, str], meta: dict[str, Any], kind: _Shape, first: pb.GenerateResponse | None,
         responses: AsyncIterator[pb.GenerateResponse],
     ) -> web.Response:
-        result = pb.CompleteResponse()
+        gathered = CompleteResponses()
         try:
             chunk = first
             while chunk is not None:
-                merge_into_complete(result, chunk)
+                gathered.add(chunk)
                 chunk = await anext(responses, None)
         except Exception as e:
             return error_response(e, headers)
         finally:
             await responses.aclose()
-        choice = kind.whole_choice(result)
-        body = {**meta, "object": kind.object_name, "choices": [choice], "usage": usage(result)}
+        choices = [kind.whole_choice(gathered.sequences[i]) for i in sorted(gathered.sequences)]
+        body = {**meta, "object": kind.object_name, "choices": choices, "usage": usage(gathered.result())}
         return web.json_response(body, headers=headers)
 
     async def _stream(
@@ -226,18 +230,18 @@ class OpenAIFront:
         response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         meta = {**meta, "object": kind.chunk_object_name}
-        totals = pb.CompleteResponse()
+        totals = CompleteResponses()
         try:
             for opening in kind.opening_choices():
                 await _send_event(response, {**meta, "choices": [opening]})
             chunk = first
-            while chunk is not None:  # one event per engine step
-                merge_into_complete(totals, chunk)
+            while chunk is not None:  # one event per engine step and sequence
+                totals.add(chunk)
                 choice = kind.delta_choice(chunk)
                 await _send_event(response, {**meta, "choices": [choice]})
                 chunk = await anext(responses, None)
             if include_usage:
-                await _send_event(response, {**meta, "choices": [], "usage": usage(totals)})
+                await _send_event(response, {**meta, "choices": [], "usage": usage(totals.result())})
         except ConnectionError:  # the client went away: closing `responses` cancels the request
             logger.info("%s: the client closed its stream", meta.get("id"))
             return response
@@ -264,6 +268,8 @@ class _Shape:
     def __init__(self, parsed: ParsedRequest, texts: TokenTexts) -> None:
         self.parsed = parsed
         self.texts = texts
+        sp = parsed.generate_request.sampling_params
+        self.num_sequences = sp.n if sp.HasField("n") else 1
 
     def opening_choices(self) -> list[dict[str, Any]]:
         return []
@@ -280,8 +286,8 @@ class _CompletionShape(_Shape):
 
     def __init__(self, parsed: ParsedRequest, texts: TokenTexts) -> None:
         super().__init__(parsed, texts)
-        self.logprobs = CompletionLogprobs(texts)
-        self.is_echo_pending = parsed.echo
+        self.logprobs = [CompletionLogprobs(texts) for _ in range(self.num_sequences)]  # text offsets run per sequence
+        self.is_echo_pending = parsed.echo  # echo goes with one sequence only
 
     def whole_choice(self, result: pb.CompleteResponse) -> dict[str, Any]:
         return self._choice(result)
@@ -301,9 +307,9 @@ class _CompletionShape(_Shape):
         if self.parsed.wants_logprobs:
             logprob_ids += token_ids
             logprobs += chunk.logprobs
-        body = self.logprobs.build(logprob_ids, logprobs) if self.parsed.wants_logprobs else None
+        body = self.logprobs[chunk.index].build(logprob_ids, logprobs) if self.parsed.wants_logprobs else None
         finish_reason = finish_reason_from_proto(chunk.finish_reason)
-        return {"index": 0, "text": text, "logprobs": body, "finish_reason": finish_reason, "token_ids": token_ids}
+        return {"index": chunk.index, "text": text, "logprobs": body, "finish_reason": finish_reason, "token_ids": token_ids}
 
     def _prompt_text(self) -> str:
         prompt = self.parsed.prompt
@@ -318,15 +324,16 @@ class _ChatShape(_Shape):
     id_prefix, object_name, chunk_object_name = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
     def opening_choices(self) -> list[dict[str, Any]]:
-        return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(self.num_sequences)]
 
     def whole_choice(self, result: pb.CompleteResponse) -> dict[str, Any]:
         message = {"role": "assistant", "content": result.text}
-        return {"index": 0, "message": message, **self._rest(result)}
+        return {"index": result.index, "message": message, **self._rest(result)}
 
     def delta_choice(self, chunk: pb.GenerateResponse) -> dict[str, Any]:
         delta = {"content": chunk.text} if chunk.text else {}
-        return {"index": 0, "delta": delta, **self._rest(chunk)}
+        return {"index": chunk.index, "delta": delta, **self._rest(chunk)}
 
     def _rest(self, chunk: Chunk) -> dict[str, Any]:
         logprobs = chat_logprobs(self.texts, list(chunk.logprobs)) if self.parsed.wants_logprobs else None

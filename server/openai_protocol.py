@@ -11,9 +11,12 @@ from typing import Any
 import grpc
 
 from kvservice.core.logprobs import MAX_LOGPROBS
-from kvservice.core.sampling_params import MAX_STOP_TOKEN_IDS
+from kvservice.core.sampling_params import MAX_N, MAX_STOP_TOKEN_IDS
+from kvservice.core.structured_output import StructuredOutputParams, from_response_format, from_structured_outputs
 from kvservice.loading.chat_template import validate_conversation
+from kvservice.server.convert import structured_output_to_proto
 from kvservice.server.errors import message_for, status_for
+from kvservice.structured.grammar import check_supported
 from kvservice.v1 import kvservice_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16
@@ -68,7 +71,7 @@ class ParsedRequest:
 # a parameter silently ignored (a penalty, a logit bias) would give the caller output it
 # did not ask for.
 _SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                    "ignore_eos", "stream", "stream_options", "n", "user"}
+                    "ignore_eos", "stream", "stream_options", "n", "user", "structured_outputs"}
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "best_of", "echo", "suffix", "logprobs"}
 CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice", "response_format",
                                   "logprobs", "top_logprobs", "add_generation_prompt"}
@@ -82,9 +85,9 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 def parse_completion_request(body: Any, request_id: str, model_name: str) -> ParsedRequest:
     """A `/v1/completions` body as a `GenerateRequest`; ValueError or OpenAIError names the field."""
     body = _checked_body(body, COMPLETION_FIELDS, model_name)
-    for name, allowed in (("n", 1), ("best_of", 1)):
-        if body.get(name) not in (None, allowed):
-            raise ValueError(f"{name}: only {allowed} is supported")
+    best_of = _optional(body, "best_of", int, None)
+    if best_of is not None and best_of != _optional(body, "n", int, 1):
+        raise ValueError("best_of: only equal to n is supported (every sequence generated is returned)")
     if body.get("suffix") is not None:
         raise ValueError("suffix: not supported")
     generate_request = pb.GenerateRequest(request_id=request_id)
@@ -97,6 +100,8 @@ def parse_completion_request(body: Any, request_id: str, model_name: str) -> Par
     _sampling_params(body, sp, _optional(body, "max_tokens", int, DEFAULT_MAX_TOKENS))
     num_logprobs = _num_logprobs(body, "logprobs")
     echo = _optional(body, "echo", bool, False)
+    if echo and sp.n > 1:
+        raise ValueError("echo: not supported with n > 1")
     if num_logprobs is not None:
         sp.logprobs = num_logprobs
         if echo:
@@ -108,15 +113,10 @@ def parse_chat_request(body: Any, request_id: str, model_name: str) -> ParsedReq
     """A `/v1/chat/completions` body as a `GenerateRequest` with a chat prompt (rendered by
     the worker with the model's template); ValueError or OpenAIError names the field."""
     body = _checked_body(body, CHAT_FIELDS, model_name)
-    if body.get("n") not in (None, 1):
-        raise ValueError("n: only 1 is supported")
     if body.get("tools"):
         raise ValueError("tools: tool calling is not supported")
     if body.get("tool_choice") not in (None, "none"):
         raise ValueError("tool_choice: tool calling is not supported")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise ValueError("response_format: only {\"type\": \"text\"} is supported")
     generate_request = pb.GenerateRequest(request_id=request_id)
     for message in validate_conversation(body.get("messages")):
         generate_request.chat.messages.add(role=message["role"], content=message.get("content", ""))
@@ -126,6 +126,9 @@ def parse_chat_request(body: Any, request_id: str, model_name: str) -> ParsedReq
     name = "max_completion_tokens" if max_tokens is not None else "max_tokens"
     # A chat answer ends at the end of the turn: without a limit it may run to the model's length.
     _sampling_params(body, generate_request.sampling_params, _optional(body, name, int, None))
+    if body.get("response_format") is not None and body.get("structured_outputs") is not None:
+        raise ValueError("response_format: set it or structured_outputs, not both")
+    _structured_output(from_response_format(body.get("response_format")), generate_request.sampling_params)
     num_top = _num_logprobs(body, "top_logprobs")
     if _optional(body, "logprobs", bool, False):
         generate_request.sampling_params.logprobs = num_top or 0
@@ -149,6 +152,11 @@ def _checked_body(body: Any, fields: set[str], model_name: str) -> dict[str, Any
 def _sampling_params(body: dict[str, Any], sp: pb.SamplingParams, max_tokens: int | None) -> None:
     if max_tokens is not None:
         sp.max_tokens = max_tokens
+    n = _optional(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise ValueError(f"n: expected an integer in [1, {MAX_N}], got {n}")
+    if n > 1:
+        sp.n = n
     for name in ("temperature", "top_p"):
         if body.get(name) is not None:
             setattr(sp, name, _optional(body, name, float, 0.0))
@@ -162,6 +170,18 @@ def _sampling_params(body: dict[str, Any], sp: pb.SamplingParams, max_tokens: in
     else:
         sp.stop_token_ids.extend(_stop_token_ids(stop, "stop"))
     sp.stop_token_ids.extend(_stop_token_ids(body.get("stop_token_ids"), "stop_token_ids"))
+    _structured_output(from_structured_outputs(body.get("structured_outputs")), sp)
+
+
+def _structured_output(params: StructuredOutputParams | None, sp: pb.SamplingParams) -> None:
+    """A constraint checked here (a schema keyword the engine cannot enforce is a 400 naming
+    it, before the request is routed) and sent on to the workers."""
+    if params is None:
+        return
+    if sp.ignore_eos:
+        raise ValueError("ignore_eos: a structured output ends where its grammar does, so it cannot ignore EOS")
+    check_supported(params)
+    structured_output_to_proto(params, sp.structured_output)
 
 
 def _parsed(body: dict[str, Any], generate_request: pb.GenerateRequest, **shape: Any) -> ParsedRequest:
@@ -227,7 +247,7 @@ def _stop_token_ids(value: Any, name: str) -> list[int]:
 def usage(result: pb.CompleteResponse) -> dict[str, Any]:
     """Token counts; `prompt_tokens_details.cached_tokens`: the prompt tokens the worker that
     prefilled found in its prefix cache (not computed for this request)."""
-    completion = len(result.token_ids)
+    completion = sum(len(sequence.token_ids) for sequence in (result.sequences or [result]))
     body: dict[str, Any] = {"prompt_tokens": result.num_prompt_tokens, "completion_tokens": completion,
                             "total_tokens": result.num_prompt_tokens + completion}
     if result.HasField("num_cached_tokens"):

@@ -39,8 +39,8 @@ ROOMS: dict[str, set[str]] = {
     "model": {"config", "core"},
     "loading": {"config", "model"},
     "connector": {"config", "core", "model", "runtime", "v1"},
-    "worker": {"config", "core", "model", "connector"},
-    "engine": {"config", "core", "model", "worker", "loading", "connector"},
+    "worker": {"config", "core", "model", "connector", "structured"},
+    "engine": {"config", "core", "model", "worker", "loading", "connector", "structured"},
     # Grammars for structured output: params from core, tokenizers from loading (and torch for the masks).
     "structured": {"core", "loading"},
 }

@@ -51,11 +51,13 @@ def assert_position(got: TokenLogprobs, expected_row: torch.Tensor, token_id: in
         assert got_id == want_id or abs(float(expected_row[got_id]) - want) <= ATOL
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_prompt_and_sampled_logprobs_match_transformers(kind: str, hf_model_dir: Callable[[str], pathlib.Path]) -> None:
+@pytest.mark.parametrize(("kind", "enable_prefix_caching"), [("llama", True), ("qwen2", True), ("llama", False)])
+def test_prompt_and_sampled_logprobs_match_transformers(
+    kind: str, enable_prefix_caching: bool, hf_model_dir: Callable[[str], pathlib.Path]
+) -> None:
     path = hf_model_dir(kind)
     prompts = random_prompts(PROMPT_LENGTHS, seed=3)
-    llm = LLM(str(path), **ENGINE)
+    llm = LLM(str(path), enable_prefix_caching=enable_prefix_caching, **ENGINE)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=NUM_TOP, prompt_logprobs=NUM_TOP)
     # Twice: the second round's prompts are all in the prefix cache, and are still computed.
     for round_ in range(2):

@@ -114,9 +114,9 @@ async def test_chat_stop_string_ends_the_text_before_it(client: openai.AsyncOpen
 async def test_chat_refuses_what_it_does_not_do(client: openai.AsyncOpenAI) -> None:
     base = {"model": MODEL, "messages": MESSAGES[:2]}
     for extra, field in (
-        ({"n": 2}, "n"),
+        ({"n": 65}, "n"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"logit_bias": {"5": 1}}, "logit_bias"),
     ):

@@ -10,6 +10,8 @@ conversation's next turn finds the last answer).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvservice.core.block_hash import extend_block_hashes, hash_seed
 from kvservice.core.block_pool import BlockPool
 from kvservice.core.outputs import PrefixCacheStats
@@ -107,6 +109,12 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.block_pool.cache_block(table[i], hashes[i], hashes[i - 1] if i else self.hash_seed)
         self._num_cached_blocks[request.request_id] = num_full
+
+    def requests_holding(self, block_ids: set[int], request_ids: Iterable[str]) -> set[str]:
+        """Those of `request_ids` whose block tables hold any of `block_ids`."""
+        if not block_ids:
+            return set()
+        return {r for r in request_ids if block_ids.intersection(self.block_tables.get(r, ()))}
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])

@@ -94,6 +94,9 @@ class Request:
     # Prompt logprobs (`sampling_params.prompt_logprobs`): one per prompt position from 1 on,
     # gathered chunk by chunk (a recomputed prompt skips them) and sent with the first output.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # A sibling of a parallel-sampling request (n > 1): the request whose prompt blocks it
+    # shares (see kvservice.engine.prefix_reuse). None for a leader or a lone request.
+    leader: Request | None = None
     stop_token_ids: frozenset[int] = field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:

@@ -6,9 +6,11 @@ import math
 from dataclasses import dataclass, field
 
 from kvservice.core.logprobs import check_num_logprobs
+from kvservice.core.structured_output import StructuredOutputParams
 
 _GREEDY_EPSILON = 1e-5
 MAX_STOP_STRINGS = 16
+MAX_N = 64  # sequences of one request (`n`)
 MAX_STOP_STRING_CHARS = 256
 # Each generated token is checked against the stop ids: the count is bounded so neither
 # validation nor that check can be made to cost more than a step.
@@ -27,6 +29,12 @@ class SamplingParams:
     (0: the token's own only); `prompt_logprobs=K` does the same for every prompt token
     after the first. Either is at most MAX_LOGPROBS; None reports none. A request with
     prompt logprobs computes its whole prompt (its prefix is not taken from the cache).
+    `structured_output` constrains the output to a JSON schema, a regex, a choice or a
+    grammar: every token is sampled under the grammar's mask, and the request ends (EOS)
+    where the grammar does; so `ignore_eos` cannot go with it.
+    `n` > 1 generates n sequences from one prompt, computed once and shared: sequence i
+    samples with `seed + i` (when a seed is given), so it equals the request sent alone
+    with that seed.
     """
 
     temperature: float = 1.0
@@ -39,6 +47,8 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutputParams | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         # NaN compares False with everything: check finiteness first, or `nan < 0` lets it in.
@@ -56,6 +66,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
         check_num_logprobs(self.logprobs, "logprobs")
         check_num_logprobs(self.prompt_logprobs, "prompt_logprobs")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.structured_output is not None and self.ignore_eos:
+            raise ValueError("ignore_eos: a structured output ends where its grammar does, so it cannot ignore EOS")
         # Accept any iterable of ids (a list from user code) but store a tuple: frozen stays frozen.
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop", _validate_stop(self.stop))

@@ -150,7 +150,7 @@ class AsyncLLMEngine:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                finished = item.all_finished
                 yield item
                 if finished:
                     return
@@ -290,7 +290,7 @@ class AsyncLLMEngine:
             if stream is None:
                 continue
             batch.append((stream, out))
-            if out.finished:
+            if out.all_finished:
                 del self._streams[out.request_id]
         if batch and self._loop is not None:
             self._loop.call_soon_threadsafe(_put_all, batch)

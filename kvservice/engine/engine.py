@@ -26,7 +26,9 @@ from kvservice.loading.model_files import load_model_config
 from kvservice.loading.model_loader import LoadedModel, load_model
 from kvservice.loading.tokenizer import Tokenizer
 from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
+from kvservice.structured.grammar import GrammarCompiler
 from kvservice.worker.draft_proposer import DraftProposer
+from kvservice.worker.grammar_masks import GrammarMasks
 from kvservice.worker.model_runner import ModelRunner
 
 
@@ -37,7 +39,10 @@ class RequestOutput:
     With `SamplingParams.logprobs`, `logprobs` (all so far) and `new_logprobs` have one entry
     per token of `token_ids` and `new_token_ids`. From the first output with tokens on,
     `num_cached_tokens` is the number of prompt tokens found in the prefix cache and, with
-    `SamplingParams.prompt_logprobs`, `prompt_logprobs` has one entry per prompt token after the first."""
+    `SamplingParams.prompt_logprobs`, `prompt_logprobs` has one entry per prompt token after the first.
+
+    With `SamplingParams.n` > 1 the request has n sequences: each output is one sequence's
+    (`index`), `finished` says that sequence ended, `all_finished` that every one has."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -51,6 +56,8 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int | None = None
+    index: int = 0
+    all_finished: bool = False
 
     @property
     def finished(self) -> bool:
@@ -59,6 +66,8 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class _Tracked:
+    request_id: str  # the caller's: a sequence of an n > 1 request runs under an id of its own
+    index: int
     prompt_token_ids: list[int]
     output_text: OutputText
     token_ids: list[int] = field(default_factory=list)
@@ -112,10 +121,13 @@ class LLMEngine:
             # Same block ids as the target's cache: one allocation serves both.
             draft_caches = allocate_kv_caches(draft_layout, num_blocks, self.draft.device)
             drafter = DraftProposer(self.draft.model, draft_caches, config.block_size, config.num_speculative_tokens, self.draft.device)
+        self._grammar_compiler: GrammarCompiler | None = None
         self.runner = ModelRunner(
-            self.loaded.model, self.kv_caches, self.layout, self.loaded.device, config.seed, connector, drafter
+            self.loaded.model, self.kv_caches, self.layout, self.loaded.device, config.seed, connector, drafter,
+            GrammarMasks(self.grammar_compiler),
         )
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, _Tracked] = {}  # by the id each sequence runs under
+        self._sequence_ids: dict[str, list[str]] = {}  # caller's id -> its unfinished sequences' ids
         self._ids = itertools.count()
         # The last step computed nothing and preempted nothing: the next one would do the
         # same until a transfer finishes, a command arrives or blocks come free.
@@ -141,6 +153,12 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
         return token_ids
 
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Structured output's grammars for this model, built on first use (~0.2 s)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+        return self._grammar_compiler
+
     def add_request(
         self,
         prompt: Prompt,
@@ -153,6 +171,9 @@ class LLMEngine:
         bad = next((t for t in params.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.structured_output is not None:
+            # Compiled now (then cached): a schema it cannot enforce is refused before it runs.
+            self.grammar_compiler().compile(params.structured_output)
         output_text = OutputText(self.tokenizer, params.stop)
         resumed = token_ids[len(token_ids) - len(prompt.token_ids):] if isinstance(prompt, ResumedPrompt) else []
         if resumed:
@@ -162,24 +183,38 @@ class LLMEngine:
             output_text.push(resumed)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         check_request_id(request_id)
-        request = Request(
-            request_id,
-            token_ids,
-            params,
-            eos_token_ids=self.eos_token_ids,
-            max_model_len=self.max_model_len,
-            kv_transfer_params=kv_transfer_params,
-        )
-        self.scheduler.add_request(request)
-        # Outputs read as the original request's, continued: resumed tokens count as output.
-        self._tracked[request_id] = _Tracked(
-            token_ids[: len(token_ids) - len(resumed)], output_text, resumed, params.logprobs is not None,
-            [] if params.logprobs is not None and not resumed else None,
-        )
+        if params.n > 1 and resumed:
+            raise ValueError("n: a resumed stream continues one sequence, so n must be 1")
+        sequence_ids = [request_id, *(f"{request_id}/{i}" for i in range(1, params.n))]
+        taken = next((r for r in [request_id, *sequence_ids] if r in self._sequence_ids or r in self.scheduler.requests), None)
+        if taken is not None:
+            raise ValueError(f"request_id {taken!r} is already in use")
+        leader: Request | None = None
+        for index, sequence_id in enumerate(sequence_ids):
+            request = Request(
+                sequence_id,
+                token_ids,
+                _sequence_params(params, index),
+                eos_token_ids=self.eos_token_ids,
+                max_model_len=self.max_model_len,
+                kv_transfer_params=kv_transfer_params if leader is None else None,
+                leader=leader,
+            )
+            self.scheduler.add_request(request)
+            leader = leader or request
+            # Outputs read as the original request's, continued: resumed tokens count as output.
+            self._tracked[sequence_id] = _Tracked(
+                request_id, index, token_ids[: len(token_ids) - len(resumed)],
+                output_text if index == 0 else OutputText(self.tokenizer, params.stop), list(resumed),
+                params.logprobs is not None, [] if params.logprobs is not None and not resumed else None,
+            )
+        self._sequence_ids[request_id] = sequence_ids
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
-        return self.scheduler.abort_request(request_id)
+        """Abort every sequence of the request; False if none was still running."""
+        aborted = [self.scheduler.abort_request(r) for r in self._sequence_ids.get(request_id, [request_id])]
+        return any(aborted)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -197,6 +232,7 @@ class LLMEngine:
             runner_output.kv_connector_output,
             runner_output.logprobs,
             runner_output.prompt_logprobs,
+            runner_output.errors,
         )
         return [out for core in core_outputs if (out := self._to_request_output(core)) is not None]
 
@@ -222,10 +258,16 @@ class LLMEngine:
                 # The scheduler goes on until told: end the request there, its blocks free now.
                 self.scheduler.finish_request(core.request_id, RequestStatus.FINISHED_STOPPED)
             finish_reason = "stop"
+        all_finished = False
         if finish_reason is not None:
             del self._tracked[core.request_id]
+            unfinished = self._sequence_ids[tracked.request_id]
+            unfinished.remove(core.request_id)
+            all_finished = not unfinished
+            if all_finished:
+                del self._sequence_ids[tracked.request_id]
         return RequestOutput(
-            request_id=core.request_id,
+            request_id=tracked.request_id,
             prompt_token_ids=tracked.prompt_token_ids,
             token_ids=list(tracked.token_ids),
             text=tracked.output_text.text,
@@ -237,6 +279,8 @@ class LLMEngine:
             new_logprobs=new_logprobs,
             prompt_logprobs=tracked.prompt_logprobs,
             num_cached_tokens=tracked.num_cached_tokens,
+            index=tracked.index,
+            all_finished=all_finished,
         )
 
     # ------------------------------------------------------------ introspection
@@ -258,6 +302,15 @@ class LLMEngine:
     @property
     def num_blocks(self) -> int:
         return self.scheduler.kv.num_blocks
+
+
+def _sequence_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sequence `index` of an n > 1 request: one sequence, seed + index (so it equals the
+    request sent alone with that seed); the prompt's logprobs are the first sequence's."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=params.prompt_logprobs if index == 0 else None)
 
 
 def _resumed_params(params: SamplingParams, num_resumed: int) -> SamplingParams:

@@ -29,7 +29,8 @@ class LLM:
         prompts: str | list[int] | Sequence[str | list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """One finished output per prompt, in order. A prompt is text or a list of token ids."""
+        """One finished output per prompt and sequence, in order (with `n` > 1, a prompt's n
+        sequences one after the other, by index). A prompt is text or a list of token ids."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -43,14 +44,15 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 request_ids.append(self.engine.add_request(prompt, p))  # type: ignore[arg-type]
             pending = set(request_ids)
-            finished: dict[str, RequestOutput] = {}
+            finished: dict[tuple[str, int], RequestOutput] = {}
             while pending:
                 for out in self.engine.step():
                     # Outputs of other requests (aborts of an earlier failed call) are not ours.
                     if out.finished and out.request_id in pending:
-                        finished[out.request_id] = out
-                        pending.discard(out.request_id)
-            return [finished[r] for r in request_ids]
+                        finished[out.request_id, out.index] = out
+                        if out.all_finished:
+                            pending.discard(out.request_id)
+            return [finished[r, i] for r, p in zip(request_ids, params) for i in range(p.n)]
         except BaseException:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)

@@ -9,10 +9,9 @@ so the cap bounds the inter-token latency that arriving prompts cause. When a re
 needs a block and none is free, the most recently admitted request not yet scheduled in
 this step is preempted: its blocks are freed and it is recomputed later from its tokens so far.
 
-A waiting request starts after its longest cached prefix (automatic prefix caching):
-it shares those blocks and computes the rest, always at least its last token, whose
-logits give the first sampled token. After every step the blocks that computed tokens
-filled join the prefix cache.
+A waiting request starts after its longest computed prefix (`prefix_reuse`: the prefix
+cache, or a parallel-sampling leader's prompt), always computing at least its last token.
+After every step the blocks that computed tokens filled join the prefix cache.
 
 With a KV connector, a waiting request whose prompt KV comes from elsewhere gets its
 blocks and parks in WAITING_FOR_REMOTE_KV until the connector reports the load done;
@@ -36,6 +35,7 @@ from kvservice.core.outputs import (
     request_output,
 )
 from kvservice.core.request import Request, RequestStatus
+from kvservice.engine.prefix_reuse import reusable_prefix, waits_for_leader
 
 
 class Scheduler:
@@ -178,21 +178,24 @@ class Scheduler:
         # Admit waiting requests only when nothing was preempted: preemption means
         # memory is short, and admitting more would only thrash.
         while self.waiting and min(budget, prefill_budget) > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            # In arrival order, past siblings waiting for their leader's prompt.
+            request = next((r for r in self.waiting if not waits_for_leader(r, self.kv.block_size)), None)
+            if request is None:
+                break
             assert request.num_computed_tokens == 0 and not self.kv.get_block_ids(request.request_id)
-            cached = self._find_cached_prefix(request)
+            cached = reusable_prefix(request, self.kv, self.connector)
             started = self._try_start_remote_load(request, cached)
             if started is None:
                 break  # its KV comes from elsewhere, and the blocks for it are not free yet
             if started:
-                self.waiting.popleft()
+                self.waiting.remove(request)
                 continue
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget, prefill_budget)
             block_ids = self.kv.allocate_slots(request, num_new + self._lookahead(request, num_cached + num_new), cached)
             if block_ids is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self._admit(request, num_cached)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -218,16 +221,22 @@ class Scheduler:
         connector_output: KVConnectorOutput | None = None,
         logprobs: dict[str, list[TokenLogprobs]] | None = None,
         prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
+        errors: dict[str, str] | None = None,
     ) -> list[EngineCoreOutput]:
         """Advance the scheduled requests by the step's results: per sampling request, the
         accepted draft tokens (if any) then one token from the target, with their `logprobs`
-        where asked for; `prompt_logprobs` continue what each request has gathered.
-        Returns the new tokens."""
+        where asked for; `prompt_logprobs` continue what each request has gathered; the
+        requests in `errors` fail with their message. Returns the new tokens."""
         outputs, self._pending_outputs = self._pending_outputs, []
         logprobs, prompt_logprobs = logprobs or {}, prompt_logprobs or {}
+        errors = errors or {}
         for item in scheduler_output.scheduled:
             request = item.request
             if request.status is not RequestStatus.RUNNING:
+                continue
+            if request.request_id in errors:
+                self.running.remove(request)
+                outputs.extend(self._fail(request, errors[request.request_id]))
                 continue
             request.prompt_logprobs.extend(prompt_logprobs.get(request.request_id, ()))
             token_ids = sampled_token_ids.get(request.request_id)
@@ -301,15 +310,6 @@ class Scheduler:
         self.kv.free(request.request_id)
         self.requests.pop(request.request_id, None)
 
-    def _find_cached_prefix(self, request: Request) -> list[int]:
-        """The blocks of the request's longest cached prefix. Its last token is computed
-        here (its logits give the first token) unless a remote prefill sends that token."""
-        remote_first_token = self.connector is not None and self.connector.supplies_first_token(request)
-        if request.needs_prompt_logprobs and not remote_first_token:
-            return []  # every prompt position it reports must be computed here
-        max_tokens = request.num_prompt_tokens if remote_first_token else request.num_tokens - 1
-        return self.kv.find_cached_prefix(request, max_tokens)
-
     def _admit(self, request: Request, num_cached: int) -> None:
         """The request got its blocks: it starts after its cached prefix."""
         request.num_computed_tokens = num_cached
@@ -338,7 +338,7 @@ class Scheduler:
         assert self.connector is not None
         self.connector.update_connector_output(output)
         outputs: list[EngineCoreOutput] = []
-        failed = self._requests_with_load_errors(output.invalid_block_ids)
+        failed = self.kv.requests_holding(output.invalid_block_ids, self.waiting_for_remote_kv)
         first_token_ids = output.kv_connector_worker_meta.first_token_ids if output.kv_connector_worker_meta else {}
         for request_id in output.finished_sending | output.finished_recving:
             pending = self.pending_free.pop(request_id, None)
@@ -353,15 +353,6 @@ class Scheduler:
                 continue
             outputs.extend(self._resume_after_load(request, first_token_ids.get(request_id)))
         return outputs
-
-    def _requests_with_load_errors(self, invalid_block_ids: set[int]) -> set[str]:
-        if not invalid_block_ids:
-            return set()
-        return {
-            request_id
-            for request_id in self.waiting_for_remote_kv
-            if invalid_block_ids.intersection(self.kv.get_block_ids(request_id))
-        }
 
     def _resume_after_load(self, request: Request, first_token: int | None) -> list[EngineCoreOutput]:
         """The prompt's KV is in place: continue from the first token the prefill sampled."""
@@ -393,8 +384,10 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
             return []
-        error = "loading the prompt's KV from the prefill worker failed (kv_load_failure_policy=fail)"
+        return self._fail(request, "loading the prompt's KV from the prefill worker failed (kv_load_failure_policy=fail)")
+
+    def _fail(self, request: Request, error: str) -> list[EngineCoreOutput]:
+        """End a request (already out of its queue) with an error its caller sees."""
         request.error = error
         self._finish(request, RequestStatus.FINISHED_ERROR)
         return [EngineCoreOutput(request.request_id, [], "error", error)]
-

@@ -65,8 +65,10 @@ class DraftProposer:
                 continue
             items.append(BatchItem(tokens[start:end], start, s.block_ids))
             request.num_draft_computed_tokens = end
-            # Never propose past what the request may emit (the target adds one more).
-            num_tokens = min(self.num_speculative_tokens, request.max_num_tokens - len(tokens) - 1) if new else 0
+            # Never propose past what the request may emit (the target adds one more); a
+            # constrained request decodes without drafts (its grammar masks one token a step).
+            is_free = new and request.sampling_params.structured_output is None
+            num_tokens = min(self.num_speculative_tokens, request.max_num_tokens - len(tokens) - 1) if is_free else 0
             if num_tokens > 0:
                 proposals.append(_Proposal(request, s.block_ids, len(items) - 1, num_tokens, [], []))
         if not items:
@@ -102,6 +104,8 @@ class DraftProposer:
                 p.token_ids.append(int(row.argmax()))
                 continue
             probs = target_probs(row[None], params)[0]
-            token = torch.multinomial(probs, 1, generator=sampler.generator_for(p.request.request_id, params))
+            # The draft's own stream: its draws never reuse the target's (rejection sampling needs them independent).
+            position = p.request.num_output_tokens + len(p.token_ids)
+            token = torch.multinomial(probs, 1, generator=sampler.generator_for(p.request.request_id, params, position, stream=1))
             p.token_ids.append(int(token))
             p.probs.append(probs)

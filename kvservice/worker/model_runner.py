@@ -24,6 +24,7 @@ from kvservice.model.cpu_kernels import load_cpu_kernels
 from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.model.model import CausalLM
 from kvservice.worker.draft_proposer import DraftProposer
+from kvservice.worker.grammar_masks import GrammarMasks
 from kvservice.worker.input_batch import BatchItem, InputBatch, build_batch
 from kvservice.worker.logprobs import token_logprobs
 from kvservice.worker.rejection_sampler import verify_draft_tokens
@@ -40,6 +41,8 @@ class ModelRunnerOutput:
     # Requests that asked for prompt logprobs: those of the prompt positions this step
     # computed, in order, continuing what the request has gathered.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Requests that cannot go on (their output left their grammar), with the reason.
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -52,6 +55,7 @@ class ModelRunner:
         seed: int = 0,
         connector: KVConnectorBase | None = None,
         drafter: DraftProposer | None = None,
+        grammar_masks: GrammarMasks | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -60,6 +64,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.connector = connector
         self.drafter = drafter
+        self.grammar_masks = grammar_masks
         if device.type == "cpu":
             load_cpu_kernels()  # at start-up, so no request waits for the build
             model.prepare_for_cpu(batch_hint=16)  # the packed layout suits any row count
@@ -73,6 +78,8 @@ class ModelRunner:
         `eager_finalize` waits for it before the draft pass instead (the baseline that
         `kvservice bench spec` compares with)."""
         self.sampler.forget(scheduler_output.finished_req_ids)
+        if self.grammar_masks is not None:
+            self.grammar_masks.forget(scheduler_output.finished_req_ids)
         if self.drafter is not None:
             self.drafter.forget(scheduler_output.finished_req_ids)
         if scheduler_output.is_empty:
@@ -93,13 +100,13 @@ class ModelRunner:
         draft_overlaps_save = self.drafter is not None and not eager_finalize
         with maybe_get_kv_connector_output(self.connector, scheduler_output, defer_finalize or draft_overlaps_save) as kv_output:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, self.connector)
-        sampled, logits = self._sample(scheduled, batch, hidden)
+        sampled, logits, errors = self._sample(scheduled, batch, hidden)
         if self.drafter is not None:
             self.drafter.propose(scheduled, sampled, self.sampler)
             if draft_overlaps_save and not defer_finalize:
                 self.finalize()
         return ModelRunnerOutput(
-            sampled, kv_output, self._sampled_logprobs(scheduled, sampled, logits), self._prompt_logprobs(scheduled, batch, hidden)
+            sampled, kv_output, self._sampled_logprobs(scheduled, sampled, logits), self._prompt_logprobs(scheduled, batch, hidden), errors
         )
 
     def finalize(self) -> None:
@@ -107,12 +114,14 @@ class ModelRunner:
 
     def _sample(
         self, scheduled: list[ScheduledRequest], batch: InputBatch, hidden: torch.Tensor
-    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
-        """Plain requests sample one token (batched); speculative ones verify their drafts.
-        Returns the tokens, and the logits rows they came from for requests that want logprobs."""
+    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], dict[str, str]]:
+        """Plain requests sample one token (batched), constrained ones under their grammar's
+        mask; speculative ones verify their drafts. Returns the tokens, the raw logits rows
+        they came from for requests that want logprobs, and the requests that must fail."""
         sampling = [(i, s) for i, s in enumerate(scheduled) if s.is_sampling]
+        errors: dict[str, str] = {}
         if not sampling:
-            return {}, {}
+            return {}, {}, errors
         rows: list[int] = []
         for i, s in sampling:
             rows.extend(batch.last_indices(i, 1 + len(s.spec_token_ids)))
@@ -121,11 +130,15 @@ class ModelRunner:
         offsets = _row_offsets([s for _, s in sampling])  # first logits row of each request
         plain = [(n, s) for n, (_, s) in enumerate(sampling) if not s.spec_token_ids]
         if plain:
-            plain_rows = logits[torch.tensor([offsets[n] for n, _ in plain], device=self.device)]
+            plain_rows = logits[torch.tensor([offsets[n] for n, _ in plain], device=self.device)]  # a copy: `logits` stays raw
+            if self.grammar_masks is not None:
+                errors = self.grammar_masks.apply(plain_rows, [s.request for _, s in plain])
             request_ids = [s.request.request_id for _, s in plain]
             params = [s.request.sampling_params for _, s in plain]
-            for request_id, token in zip(request_ids, self.sampler.sample(plain_rows, request_ids, params)):
-                sampled[request_id] = [token]
+            positions = [s.request.num_output_tokens for _, s in plain]
+            for request_id, token in zip(request_ids, self.sampler.sample(plain_rows, request_ids, params, positions)):
+                if request_id not in errors:
+                    sampled[request_id] = [token]
         for n, (_, s) in enumerate(sampling):
             if not s.spec_token_ids:
                 continue
@@ -136,14 +149,14 @@ class ModelRunner:
                 draft_probs = draft_probs[: len(s.spec_token_ids)]
             target_logits = logits[offsets[n] : offsets[n] + 1 + len(s.spec_token_ids)]
             sampled[request.request_id] = verify_draft_tokens(
-                target_logits, s.spec_token_ids, draft_probs, params, self.sampler.generator_for(request.request_id, params)
+                target_logits, s.spec_token_ids, draft_probs, params, self.sampler.generator_for(request.request_id, params, request.num_output_tokens)
             )
         wanted = {
             s.request.request_id: logits[offsets[n] : offsets[n] + len(sampled[s.request.request_id])]
             for n, (_, s) in enumerate(sampling)
-            if s.request.sampling_params.logprobs is not None
+            if s.request.sampling_params.logprobs is not None and s.request.request_id in sampled
         }
-        return sampled, wanted
+        return sampled, wanted, errors
 
     def _sampled_logprobs(
         self, scheduled: list[ScheduledRequest], sampled: dict[str, list[int]], logits: dict[str, torch.Tensor]

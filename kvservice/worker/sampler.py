@@ -22,8 +22,22 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
+# Mixes a request's seed with a token's position (and the stream: the target's or the draft's).
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int, stream: int = 0) -> int:
+    """The seed of the draw for output token `position` of a request seeded `seed`."""
+    return (seed * _GOLDEN + (position + 1) * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) & _MASK64
+
+
 class Sampler:
-    """Samples one token per row; requests with a seed get a generator of their own."""
+    """Samples one token per row. A request with a seed draws each token from a generator
+    seeded by (seed, the token's position): its output does not depend on the batch, nor on
+    where its earlier tokens were sampled (a prefill worker's first token, a migrated
+    stream, a parallel-sampling sibling's shared prompt), only on the seed.
+    """
 
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
@@ -34,26 +48,28 @@ class Sampler:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
-        """logits: [N, V] float32, one row per request id."""
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams], positions: list[int]) -> list[int]:
+        """logits: [N, V] float32, one row per request id; `positions`: each row's output
+        token index (how many tokens the request has emitted so far)."""
         if all(p.is_greedy for p in params):
             return logits.argmax(-1).tolist()
         tokens: list[int] = []
-        for row, request_id, p in zip(logits, request_ids, params):
+        for row, request_id, p, position in zip(logits, request_ids, params, positions):
             if p.is_greedy:
                 tokens.append(int(row.argmax()))
                 continue
             row = apply_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
             probs = row.softmax(-1)
-            token = torch.multinomial(probs, 1, generator=self.generator_for(request_id, p))
+            token = torch.multinomial(probs, 1, generator=self.generator_for(request_id, p, position))
             tokens.append(int(token))
         return tokens
 
-    def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator:
+    def generator_for(self, request_id: str, params: SamplingParams, position: int, stream: int = 0) -> torch.Generator:
+        """The generator for one draw: the engine's own for unseeded requests; for a seeded
+        one, its generator set to (seed, position, stream): stream 0 is the target's, 1 the draft's."""
         if params.seed is None:
             return self._default_generator
         gen = self._generators.get(request_id)
         if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(params.seed)
-            self._generators[request_id] = gen
-        return gen
+            gen = self._generators[request_id] = torch.Generator(device=self.device)
+        return gen.manual_seed(position_seed(params.seed, position, stream))

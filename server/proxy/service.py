@@ -102,11 +102,12 @@ class ProxyService(StreamingGenerationService):
                     return
                 except DecodeWorkerLost as lost:
                     num_migrations = len(failed_decoders)
-                    if num_migrations >= self.migration_limit:
+                    if num_migrations >= self.migration_limit or _num_sequences(inner) > 1:
+                        why = (f"--migration-limit {self.migration_limit} allows no further migration"
+                               if num_migrations >= self.migration_limit else "a request with n > 1 does not migrate")
                         raise StreamLost(
                             f"decode worker {lost.address} was lost after {len(streamed)} tokens "
-                            f"({lost.error.code().name}: {lost.error.details()}); "
-                            f"--migration-limit {self.migration_limit} allows no further migration"
+                            f"({lost.error.code().name}: {lost.error.details()}); {why}"
                         ) from None
                     failed_decoders.add(lost.address)
                     attempt = _resumed(inner, streamed)
@@ -138,11 +139,11 @@ class ProxyService(StreamingGenerationService):
             pb.DecodeRequest(request=inner), timeout=self.request_timeout, metadata=decode_worker.metadata
         )
         try:
-            is_first = True
+            is_counted = False
             async for response in call:
-                if is_first:
+                if not is_counted and response.token_ids:
                     self._count_prefilled("decode_worker")
-                    is_first = False
+                    is_counted = True
                 yield response
         except grpc.aio.AioRpcError as e:
             raise self._decode_error(decode_worker, e) from None
@@ -168,7 +169,7 @@ class ProxyService(StreamingGenerationService):
         )
         prefill = asyncio.ensure_future(
             prefill_worker.stub.Prefill(
-                pb.PrefillRequest(request=inner, transfer_token=token),
+                pb.PrefillRequest(request=_first_sequence(inner), transfer_token=token),
                 timeout=self.request_timeout,
                 metadata=prefill_worker.metadata,
             )
@@ -197,17 +198,28 @@ class ProxyService(StreamingGenerationService):
                     # The decode worker's pull fails too, and it recomputes: keep streaming from it.
                     self._note_failure(self.prefill, prefill_worker, e)
                     logger.warning("request %s: prefill on %s failed (%s); the decode worker recomputes", inner.request_id, prefill_worker.address, e.code().name)
-            # A prefill still running counts as its own: the decode worker answered first, normally with the pulled KV.
-            self._count_prefilled("prefill_worker" if first is not None or not prefill.done() else "decode_worker")
+            # A prefill still running counts as its own: the decode worker answered first, normally with
+            # the pulled KV. Counted with the first token out (a request the workers refuse is no prefill).
+            where: str | None = "prefill_worker" if first is not None or not prefill.done() else "decode_worker"
+            # Sequence 0's first token is the prefill's: the decode worker's copy is dropped,
+            # and when that token already ended sequence 0, the rest of its copy too.
+            is_first_ending = first is not None and first.finish_reason != pb.FINISH_REASON_UNSPECIFIED
             if first is not None:
+                self._count_prefilled("prefill_worker")
+                where = None
                 yield _first_response(inner.request_id, first)
-                if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                if is_first_ending and _num_sequences(inner) == 1:
                     return
             skip_first = first is not None
             try:
                 response = await next_decode
                 while response is not None:
-                    if skip_first and response.token_ids:
+                    if where is not None and response.token_ids:
+                        self._count_prefilled(where)
+                        where = None
+                    if response.index == 0 and is_first_ending:
+                        pass
+                    elif skip_first and response.index == 0 and response.token_ids:
                         skip_first = False
                         response = _without_first_token(response, first.text if first is not None else "")
                         if response.token_ids or response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
@@ -324,6 +336,21 @@ def _without_first_token(response: pb.GenerateResponse, sent_text: str) -> pb.Ge
     if not rest.token_ids:
         rest.text = rest.text[len(sent_text) :] if rest.text.startswith(sent_text) else ""
     return rest
+
+
+def _num_sequences(request: pb.GenerateRequest) -> int:
+    return request.sampling_params.n if request.sampling_params.HasField("n") else 1
+
+
+def _first_sequence(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    """What the prefill worker runs: sequence 0 alone (the decode worker samples the others'
+    first tokens from the same prompt KV, so the KV travels once)."""
+    if _num_sequences(request) == 1:
+        return request
+    first = pb.GenerateRequest()
+    first.CopyFrom(request)
+    first.sampling_params.ClearField("n")
+    return first
 
 
 def _asks_for_logprobs(request: pb.GenerateRequest) -> bool:

@@ -1,9 +1,11 @@
-"""Logprobs and cached tokens through the OpenAI front, disaggregated (1P1D behind the
-proxy) and colocated, prefix caching on: what the official `openai` client receives equals
-the engine's own logprobs (tests/test_logprobs.py holds the engine to transformers)."""
+"""Logprobs, cached tokens, seeds and `n` through the OpenAI front (and gRPC `Complete`),
+disaggregated (1P1D behind the proxy) and colocated, prefix caching on: what the official
+`openai` client receives equals the engine's own output in this process
+(tests/test_logprobs.py holds the engine's logprobs to transformers)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,9 +15,11 @@ import pytest_asyncio
 from conftest import local_cluster, wait_until_idle
 
 from kvservice import LLM, SamplingParams
+from kvservice.client.client import KVServiceClient, build_request
 from kvservice.client.cluster import LocalCluster
 from kvservice.core.logprobs import TokenLogprobs
 from kvservice.loading.tokenizer import ByteTokenizer
+from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -145,3 +149,30 @@ async def test_bad_logprobs_fields_get_400_naming_them(served: tuple[LocalCluste
         await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="suffix"):
         await client.completions.create(model=MODEL, prompt="x", suffix="y")
+
+
+async def test_seeded_sampling_is_the_same_wherever_the_prompt_ran(served: tuple[LocalCluster, openai.AsyncOpenAI]) -> None:
+    """Disaggregated, the first token is drawn on the prefill worker and the rest on the
+    decode worker; each draw depends only on (seed, position), so the tokens equal the colocated ones."""
+    _, client = served
+    params = SamplingParams(temperature=1.0, seed=21, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = LLM(MODEL, block_size=BLOCK_SIZE, max_model_len=128).generate(PROMPT, dataclasses.replace(params, n=3))
+    out = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=21, n=3, extra_body={"ignore_eos": True},
+    )
+    assert [c.model_extra["token_ids"] for c in out.choices] == [e.token_ids for e in expected]
+    alone = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=22, extra_body={"ignore_eos": True},
+    )
+    assert alone.choices[0].model_extra["token_ids"] == expected[1].token_ids  # sequence 1 of n: seed + 1
+
+
+async def test_grpc_complete_returns_every_sequence(served: tuple[LocalCluster, openai.AsyncOpenAI]) -> None:
+    cluster, _ = served
+    async with KVServiceClient(cluster.address) as grpc_client:
+        request = build_request(PROMPT, max_tokens=MAX_TOKENS, temperature=0.5, seed=5, ignore_eos=True)
+        request.sampling_params.n = 2
+        result = await pb_grpc.GenerationStub(grpc_client.channel).Complete(request, timeout=60)
+    assert [s.index for s in result.sequences] == [0, 1]
+    assert list(result.token_ids) == list(result.sequences[0].token_ids)
+    assert all(len(s.token_ids) == MAX_TOKENS for s in result.sequences)
