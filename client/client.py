@@ -70,9 +70,12 @@ def build_request(
     ignore_eos: bool = False,
     stop: str | Sequence[str] = (),
     request_id: str = "",
+    logprobs: int | None = None,
+    n: int | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; parameters left as None stay unset (the server's defaults apply).
-    `stop`: one stop string or several; the text returned ends before the first one."""
+    `stop`: one stop string or several; the text returned ends before the first one.
+    `logprobs`: each token's logprob and that many most likely tokens; `n`: sequences."""
     stop = [stop] if isinstance(stop, str) else list(stop)
     sp = pb.SamplingParams(stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, stop=stop)
     if max_tokens is not None:
@@ -85,6 +88,10 @@ def build_request(
         sp.top_k = top_k
     if seed is not None:
         sp.seed = seed
+    if logprobs is not None:
+        sp.logprobs = logprobs
+    if n is not None:
+        sp.n = n
     request = pb.GenerateRequest(request_id=request_id, sampling_params=sp)
     if isinstance(prompt, str):
         request.text = prompt

@@ -170,9 +170,9 @@ async def test_seeded_sampling_is_the_same_wherever_the_prompt_ran(served: tuple
 async def test_grpc_complete_returns_every_sequence(served: tuple[LocalCluster, openai.AsyncOpenAI]) -> None:
     cluster, _ = served
     async with KVServiceClient(cluster.address) as grpc_client:
-        request = build_request(PROMPT, max_tokens=MAX_TOKENS, temperature=0.5, seed=5, ignore_eos=True)
-        request.sampling_params.n = 2
+        request = build_request(PROMPT, max_tokens=MAX_TOKENS, temperature=0.5, seed=5, ignore_eos=True, logprobs=1, n=2)
         result = await pb_grpc.GenerationStub(grpc_client.channel).Complete(request, timeout=60)
     assert [s.index for s in result.sequences] == [0, 1]
     assert list(result.token_ids) == list(result.sequences[0].token_ids)
     assert all(len(s.token_ids) == MAX_TOKENS for s in result.sequences)
+    assert all([len(lp.top) for lp in s.logprobs] == [1] * MAX_TOKENS for s in result.sequences)
