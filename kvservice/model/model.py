@@ -15,25 +15,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from kvservice.config import ModelConfig
-from kvservice.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvservice.model.attention import AttentionMetadata, LayerKVHooks, paged_attention, write_kv
 from kvservice.model.block_quant import BlockQuantWeight
 from kvservice.model.cpu_kernels import kernels_loaded
-
-
-class LayerKVHooks(Protocol):
-    """What the forward needs of a KV connector: its two per-layer hooks, no more.
-
-    `KVConnectorBase` satisfies it; the model knows nothing else of connectors."""
-
-    def wait_for_layer_load(self, layer: int) -> None: ...
-
-    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata) -> None: ...
+from kvservice.model.fused_decode import run_decode_layers
 
 # Rows up to which the block-quantized kernel beats float32 matmuls here (decode, and
 # verifying drafts); prefill chunks take oneDNN's float32 GEMM.
@@ -274,6 +265,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg, max_positions)
+        self._decode_args: list[tuple[Any, ...]] | None = None  # built on the first decode step
 
     @torch.inference_mode()
     def prepare_for_cpu(self, batch_hint: int) -> None:
@@ -299,6 +291,7 @@ class CausalLM(nn.Module):
             module = self.get_submodule(name)
             assert isinstance(module, Linear) and weight.shape == tuple(module.weight.shape), name
             module.block_quant = weight
+        self._decode_args = None  # rebuilt with these weights
 
     @torch.inference_mode()
     def forward(
@@ -314,6 +307,9 @@ class CausalLM(nn.Module):
         rope = self.rotary(positions, h.dtype, fused)
         layers = self.model.layers
         x = _add_rms_norm_(h, None, layers[0].input_layernorm, fused)
+        decode_layers = self._decode_layer_args(meta, h.shape[0]) if fused else None
+        if decode_layers is not None:
+            return run_decode_layers(decode_layers, h, x, (positions, rope.cos_table, rope.sin_table), kv_caches, meta, connector)
         for i, layer in enumerate(layers):
             if connector is not None:
                 connector.wait_for_layer_load(i)
@@ -324,6 +320,37 @@ class CausalLM(nn.Module):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x = _add_rms_norm_(h, layer.mlp(x), next_norm, fused)
         return x
+
+    def _decode_layer_args(self, meta: AttentionMetadata, num_tokens: int) -> list[tuple[Any, ...]] | None:
+        """Each layer's static arguments of `decode_layer_` when this step can run layer by layer
+        in one call each: decode queries only, few enough rows for the block-quantized kernel,
+        every projection block-quantized. None: the per-op path."""
+        if meta.prefills or meta.decode_block_table is None or num_tokens > MAX_BLOCK_QUANT_ROWS:
+            return None
+        if self._decode_args is None:
+            self._decode_args = self._build_decode_layer_args() or []
+        return self._decode_args or None
+
+    def _build_decode_layer_args(self) -> list[tuple[Any, ...]] | None:
+        """Per layer: the weights, norms and shapes `decode_layer_` takes; None unless every
+        projection of every layer is block-quantized."""
+        layers = self.model.layers
+        args: list[tuple[Any, ...]] = []
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            weights = [p.block_quant for p in projections]
+            if any(w is None for w in weights):
+                return None
+            qkv_w, o_w, gate_up_w, down_w = ([w.codes, w.scales, w.mins] for w in weights if w is not None)
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            post_norm = layer.post_attention_layernorm
+            args.append((
+                qkv_w, attn.qkv_proj.bias, o_w, attn.o_proj.bias, gate_up_w, down_w,
+                post_norm.weight, post_norm.eps, next_norm.weight, next_norm.eps,
+                attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            ))
+        return args
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

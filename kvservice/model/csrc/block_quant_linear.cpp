@@ -31,6 +31,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include "thread_pool.h"
 
 #include <algorithm>
@@ -371,6 +373,13 @@ at::Tensor block_quant_linear(const at::Tensor& x, const at::Tensor& codes, cons
 }
 
 }  // namespace
+
+namespace kvservice {
+at::Tensor block_quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                              const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
+  return ::block_quant_linear(x, codes, scales, mins, bias);
+}
+}  // namespace kvservice
 
 TORCH_LIBRARY_FRAGMENT(kvservice, m) {
   m.def("block_quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias) -> Tensor");

@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cmath>
 
 namespace {
@@ -107,6 +109,17 @@ void rotary_(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos_
 }
 
 }  // namespace
+
+namespace kvservice {
+at::Tensor add_rms_norm_(at::Tensor residual, const c10::optional<at::Tensor>& x, const at::Tensor& weight,
+                         double eps) {
+  return ::add_rms_norm_(std::move(residual), x, weight, eps);
+}
+void rotary_(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
+             int64_t num_heads, int64_t head_dim) {
+  ::rotary_(std::move(qkv), positions, cos_table, sin_table, num_heads, head_dim);
+}
+}  // namespace kvservice
 
 TORCH_LIBRARY_FRAGMENT(kvservice, m) {
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor? x, Tensor weight, float eps) -> Tensor");

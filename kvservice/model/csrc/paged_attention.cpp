@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include "thread_pool.h"
 
 #include <algorithm>
@@ -129,11 +131,13 @@ inline __m256 sum8x8(const __m256* a) {
 // decode_one for float32 and head_dim = 8 * D8, in AVX2 registers. The scores of a row come 8
 // keys at a time (8 dot products reduced together), the softmax's exponentials 8 at a time, and
 // each output row stays in registers while it walks the values (~3x the row-at-a-time loop).
+// Query heads [g_begin, g_end) of the group: one task per query head spreads a small batch
+// over the threads evenly (SmolLM2: 9 query heads, 3 KV heads, 2 threads).
 template <int D8>
 void decode_one_avx2(const float* q, const float* kv, const int64_t* table, int64_t start, int64_t num_queries,
-                     int64_t group, int64_t head, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                     int64_t v_offset, float scale, float* out, std::vector<float>& scores,
-                     std::vector<const float*>& keys) {
+                     int64_t group, int64_t g_begin, int64_t g_end, int64_t head, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t block_size, int64_t v_offset, float scale, float* out,
+                     std::vector<float>& scores, std::vector<const float*>& keys) {
   constexpr int64_t head_dim = 8 * D8;
   const int64_t context = start + num_queries;
   const int64_t padded = (context + 7) / 8 * 8;
@@ -147,7 +151,7 @@ void decode_one_avx2(const float* q, const float* kv, const int64_t* table, int6
   const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < num_queries; ++i) {
     const int64_t visible = start + i + 1;  // query i sees keys at positions <= start + i
-    for (int64_t g = 0; g < group; ++g) {
+    for (int64_t g = g_begin; g < g_end; ++g) {
       const int64_t row = i * num_heads + head * group + g;
       __m256 qv[D8];
       for (int d = 0; d < D8; ++d) qv[d] = _mm256_mul_ps(_mm256_loadu_ps(q + row * head_dim + 8 * d), _mm256_set1_ps(scale));
@@ -229,22 +233,30 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
     const scalar_t* q_ptr = q.data_ptr<scalar_t>();
     const scalar_t* kv_ptr = kv_layer.data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
+#if defined(__AVX2__) && defined(__FMA__)
+    // The casts are no-ops: this branch runs for float32 only (a plain `if`: the lambda is no template).
+    if (std::is_same_v<scalar_t, float> && (head_dim == 64 || head_dim == 128)) {
+      auto* kernel = head_dim == 64 ? &decode_one_avx2<8> : &decode_one_avx2<16>;
+      kvservice::parallel_for(batch * num_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores;
+        std::vector<const float*> keys;
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t b = task / num_heads, h = task % num_heads / group, g = task % group;
+          const int64_t offset = b * num_queries * num_heads * head_dim;
+          kernel(reinterpret_cast<const float*>(q_ptr + offset), reinterpret_cast<const float*>(kv_ptr),
+                 table + b * max_blocks, start_ptr[b], num_queries, group, g, g + 1, h, num_heads, num_kv_heads,
+                 block_size, v_offset, static_cast<float>(scale), reinterpret_cast<float*>(out_ptr + offset), scores,
+                 keys);
+        }
+      });
+      return;
+    }
+#endif
     kvservice::parallel_for(batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, qf, acc;
-      std::vector<const float*> keys;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
         const int64_t offset = b * num_queries * num_heads * head_dim;
-#if defined(__AVX2__) && defined(__FMA__)
-        // The casts are no-ops: this branch runs for float32 only (a plain `if`: the lambda is no template).
-        if (std::is_same_v<scalar_t, float> && (head_dim == 64 || head_dim == 128)) {
-          auto* kernel = head_dim == 64 ? &decode_one_avx2<8> : &decode_one_avx2<16>;
-          kernel(reinterpret_cast<const float*>(q_ptr + offset), reinterpret_cast<const float*>(kv_ptr),
-                 table + b * max_blocks, start_ptr[b], num_queries, group, h, num_heads, num_kv_heads, block_size,
-                 v_offset, static_cast<float>(scale), reinterpret_cast<float*>(out_ptr + offset), scores, keys);
-          continue;
-        }
-#endif
         decode_one<scalar_t>(q_ptr + offset, kv_ptr, table + b * max_blocks, start_ptr[b], num_queries, group, h,
                              num_heads, num_kv_heads, head_dim, block_size, v_offset, static_cast<float>(scale),
                              out_ptr + offset, scores, qf, acc);
@@ -255,6 +267,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
 }
 
 }  // namespace
+
+namespace kvservice {
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_table,
+                                  const at::Tensor& starts, int64_t num_queries, double scale) {
+  return ::paged_decode_attention(q, kv_layer, block_table, starts, num_queries, scale);
+}
+}  // namespace kvservice
 
 TORCH_LIBRARY_FRAGMENT(kvservice, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_layer, Tensor block_table, Tensor starts, int num_queries, float scale) -> Tensor");

@@ -1,0 +1,19 @@
+// The kernels' entry points, for the ops built on them (decode_layer.cpp): each .cpp
+// defines its op inside an anonymous namespace and exports it here under the same name.
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace kvservice {
+
+at::Tensor block_quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                              const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
+at::Tensor add_rms_norm_(at::Tensor residual, const c10::optional<at::Tensor>& x, const at::Tensor& weight,
+                         double eps);
+void rotary_(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
+             int64_t num_heads, int64_t head_dim);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_table,
+                                  const at::Tensor& starts, int64_t num_queries, double scale);
+
+}  // namespace kvservice
