@@ -186,7 +186,7 @@ class LLMEngine:
         if params.n > 1 and resumed:
             raise ValueError("n: a resumed stream continues one sequence, so n must be 1")
         sequence_ids = [request_id, *(f"{request_id}/{i}" for i in range(1, params.n))]
-        taken = next((r for r in [request_id, *sequence_ids] if r in self._sequence_ids or r in self.scheduler.requests), None)
+        taken = next((r for r in sequence_ids if r in self._sequence_ids or r in self.scheduler.requests), None)
         if taken is not None:
             raise ValueError(f"request_id {taken!r} is already in use")
         leader: Request | None = None

@@ -174,6 +174,12 @@ async def serve(args: argparse.Namespace) -> int:
         for runner in runners:
             await runner.cleanup()
 
+    async def drain_requests(deadline: float) -> None:
+        """Before the gRPC server stops: refuse new HTTP requests, let in-flight ones end."""
+        if front is not None:
+            front.start_draining()
+        await service.wait_until_idle(deadline)
+
     async def on_stop() -> None:
         for task in [monitor, *discovery_tasks]:
             task.cancel()
@@ -182,7 +188,9 @@ async def serve(args: argparse.Namespace) -> int:
         await prefill.close()
         await decode.close()
 
-    await server.run_until_signalled(args.grace_period, on_stop, ready_line=ready_line, alongside_stop=drain_http)
+    await server.run_until_signalled(
+        args.grace_period, on_stop, ready_line=ready_line, before_stop=drain_requests, alongside_stop=drain_http
+    )
     return 0
 
 

@@ -72,6 +72,15 @@ class ProxyService(StreamingGenerationService):
         self.metrics = metrics if metrics is not None else ServerMetrics("proxy")
         self.router = router if router is not None else Router(prefill, decode)
         self.prompt_tokens = PromptTokens(tokenizer, max_model_len)
+        self._num_in_flight = 0
+        self._idle = asyncio.Event()  # set while no client request is in flight
+        self._idle.set()
+
+    async def wait_until_idle(self, deadline: float) -> None:
+        """Return once no client request is in flight: the drain waits for this before it
+        stops the gRPC server (whose own grace was seen to end with streams still open, under
+        load, cancelling them). New requests may still arrive meanwhile, and are served."""
+        await self._idle.wait()
 
     async def responses(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         """The routing path of `Generate`, also used by the OpenAI-compatible HTTP front.
@@ -86,6 +95,17 @@ class ProxyService(StreamingGenerationService):
         inner.CopyFrom(request)
         if not inner.request_id:
             inner.request_id = new_request_id()
+        self._num_in_flight += 1
+        self._idle.clear()
+        try:
+            async for response in self._tracked_responses(request, inner):
+                yield response
+        finally:
+            self._num_in_flight -= 1
+            if self._num_in_flight == 0:
+                self._idle.set()
+
+    async def _tracked_responses(self, request: pb.GenerateRequest, inner: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         with self.metrics.track(inner.request_id, logger) as tracker:
             if request.WhichOneof("prompt") is None:
                 raise ValueError("prompt: set one of text, token_ids or chat")
