@@ -47,13 +47,12 @@ class CompleteResponses:
     def __init__(self) -> None:
         self.sequences: dict[int, pb.CompleteResponse] = {}
 
-    def add(self, response: pb.GenerateResponse) -> pb.CompleteResponse:
-        """Merge one chunk into its sequence; returns that sequence so far."""
+    def add(self, response: pb.GenerateResponse) -> None:
+        """Merge one chunk into its sequence."""
         sequence = self.sequences.get(response.index)
         if sequence is None:
             sequence = self.sequences[response.index] = pb.CompleteResponse(index=response.index)
         merge_into_complete(sequence, response)
-        return sequence
 
     def result(self) -> pb.CompleteResponse:
         """Sequence 0's fields, plus every sequence in `sequences` when there are several."""

@@ -199,8 +199,8 @@ class ModelRunner:
             if first >= last:
                 continue
             flat_start = batch.ends[i] - num_run
-            rows = torch.arange(flat_start + first - start, flat_start + last - start, device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
+            # The chunk's rows are contiguous in the flat batch: a slice, not a gather.
+            logits = self.model.compute_logits(hidden[flat_start + first - start : flat_start + last - start])
             targets = request.all_token_ids[first + 1 : last + 1]
             out[request.request_id] = token_logprobs(logits, targets, request.sampling_params.prompt_logprobs or 0)
         return out
