@@ -26,12 +26,12 @@ def kernel():
 
 
 def _random_case(
-    batch: int, num_queries: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int
+    batch: int, num_queries: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int, head_dim: int = HEAD_DIM
 ) -> tuple[torch.Tensor, torch.Tensor, list[BatchItem]]:
     """A cache with shuffled blocks, and B requests of Q queries at random positions."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 64
-    kv_layer = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    kv_layer = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(dtype)
     free = torch.randperm(num_blocks, generator=gen).tolist()
     items = []
     for _ in range(batch):
@@ -39,7 +39,7 @@ def _random_case(
         context = start + num_queries
         block_ids = [free.pop() for _ in range(-(-context // BLOCK_SIZE))]
         items.append(BatchItem(list(range(num_queries)), start, block_ids))
-    q = torch.randn(batch * num_queries, num_heads, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(batch * num_queries, num_heads, head_dim, generator=gen).to(dtype)
     return q, kv_layer, items
 
 
@@ -56,7 +56,7 @@ def _reference(q: torch.Tensor, kv_layer: torch.Tensor, items: list[BatchItem]) 
             k = flat[0][slots].repeat_interleave(group, dim=1)  # [visible, Hq, D]
             v = flat[1][slots].repeat_interleave(group, dim=1)
             qi = q[b * num_queries + i].double()  # [Hq, D]
-            weights = (torch.einsum("hd,lhd->hl", qi, k) * HEAD_DIM**-0.5).softmax(-1)
+            weights = (torch.einsum("hd,lhd->hl", qi, k) * q.shape[-1] ** -0.5).softmax(-1)
             out[b * num_queries + i] = torch.einsum("hl,lhd->hd", weights, v)
     return out
 
@@ -76,6 +76,16 @@ def test_kernel_matches_reference(
     # float32: summation order only; bfloat16: the output's own rounding (8 bits of mantissa).
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("num_queries", [1, 3])
+def test_kernel_matches_reference_at_head_dim_128(kernel, batch: int, num_queries: int) -> None:
+    q, kv_layer, items = _random_case(batch, num_queries, 8, 2, torch.float32, seed=batch, head_dim=128)
+    meta = build_batch(items, BLOCK_SIZE, torch.device("cpu")).attn
+    assert meta.decode_block_table is not None and meta.decode_starts is not None
+    out = kernel(q, kv_layer, meta.decode_block_table, meta.decode_starts, num_queries, 128**-0.5)
+    torch.testing.assert_close(out.double(), _reference(q, kv_layer, items), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
