@@ -26,6 +26,7 @@ from kvservice.model.block_quant import BlockQuantWeight
 from kvservice.model.cpu_kernels import kernels_loaded
 from kvservice.model.fused_decode import run_decode_layers
 
+
 def has_native_bf16_matmul() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16/AMX) through oneDNN."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported"):
