@@ -2,7 +2,7 @@
 """The step time of SmolLM2 on this machine with 17 requests decoding and a long prompt arriving,
 by the prompt tokens a step may add (`--max-prefill-tokens-with-decode`; 0: no cap).
 
-    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=30000 .venv/bin/python scripts/step_time_by_chunk.py [THREADS]
+    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=3000 .venv/bin/python scripts/step_time_by_chunk.py [THREADS]
 
 The inter-token latency of every running stream is the step time: this is the measurement
 the default cap was chosen by (kvservice/config.py).
