@@ -168,6 +168,11 @@ def _gguf_rope_scaling(metadata: Mapping[str, Any], arch: str) -> dict[str, Any]
 # 50 ms alone, 84 / 111 / 137 / 207 / 307 ms with 32 / 48 / 64 / 128 / 256 prompt tokens.
 # 64 keeps the inter-token latency under load below vLLM's p99 (~190 ms at concurrency 16).
 DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE = 64
+# The step time that cap is sized for by measurement (`kvservice/engine/step_budget.py`). bench
+# peers' concurrency-16 workload in-process (scripts/step_mix.py), 2 Zen 4 cores: the fixed 64
+# gave 155-161 tok/s with a p99 forward of 169-182 ms; a 100 / 120 / 150 ms target 147 / 155 /
+# 166 tok/s, p99 123 / 142 / 176 ms. 120: the same throughput, vLLM's p99 inter-token latency here.
+DEFAULT_STEP_TARGET_MS = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +186,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     # Prompt tokens a step computes while requests decode (None: max_num_batched_tokens).
     max_prefill_tokens_with_decode: int | None = DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE
+    # While requests decode, size that cap by measured step time to aim at this step time (ms);
+    # None: the fixed cap above (which also serves until the first steps are measured).
+    step_target_ms: float | None = DEFAULT_STEP_TARGET_MS
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     device: str = "cpu"
     dtype: str = "auto"
@@ -203,6 +211,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if self.step_target_ms is not None and not self.step_target_ms > 0:
+            raise ValueError(f"step_target_ms must be > 0, got {self.step_target_ms}")
         if self.max_prefill_tokens_with_decode is not None and self.max_prefill_tokens_with_decode <= 0:
             raise ValueError(f"max_prefill_tokens_with_decode must be > 0, got {self.max_prefill_tokens_with_decode}")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -3,7 +3,7 @@
 runs the same workload (random 256-token prompts of ids < 256, 128 tokens each, EOS ignored,
 greedy, 16 requests in flight) with no server, and the steps are split by kind.
 
-    .venv/bin/python scripts/step_mix.py [--num-prompts 64] [--chunk N]
+    .venv/bin/python scripts/step_mix.py [--num-prompts 64] [--chunk N] [--step-target-ms T]
 
 Prints output tok/s (the served figure's ceiling on this machine), then per kind of step
 (prompt chunks only, decoding only, both mixed) its count, time, rows and ms per row; with the
@@ -37,10 +37,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64, as bench peers)")
     parser.add_argument("--chunk", type=int, default=None, help="--max-prefill-tokens-with-decode (default: the engine's)")
+    parser.add_argument("--step-target-ms", type=float, default=None, help="size the chunks by measured step time (default: the engine's)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM("smollm2", **({} if args.chunk is None else {"max_prefill_tokens_with_decode": args.chunk}))
+    knobs = {"max_prefill_tokens_with_decode": args.chunk, "step_target_ms": args.step_target_ms}
+    llm = LLM("smollm2", **{name: value for name, value in knobs.items() if value is not None})
     engine = llm.engine
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(PROMPT_LEN)] for _ in range(args.num_prompts)]
@@ -78,6 +80,8 @@ def main() -> None:
         kinds[kind][0] += 1
         kinds[kind][1] += seconds
         kinds[kind][2] += rows
+    steps = sorted(f[2] for f in forwards)
+    print(f"  forward times: median {1000 * steps[len(steps) // 2]:.0f} ms, p99 {1000 * steps[int(0.99 * len(steps))]:.0f} ms")
     for kind, (count, seconds, rows) in sorted(kinds.items()):
         print(f"  {kind:12s} {int(count):5d} steps {seconds:6.1f} s {int(rows):7d} rows "
               f"{1000 * seconds / count:7.1f} ms/step {1000 * seconds / rows:5.2f} ms/row")

@@ -47,6 +47,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
+    num_prompt_tokens: int = 0  # of num_scheduled_tokens, those of prompt chunks (the rest decode)
     # Requests finished (or aborted) since the previous step: the connector's worker
     # half learns of them through `get_finished(finished_req_ids)`.
     finished_req_ids: set[str] = field(default_factory=set)

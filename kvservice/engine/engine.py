@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ from kvservice.core.outputs import EngineCoreOutput
 from kvservice.core.request import Request, RequestStatus, check_request_id
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.scheduler import Scheduler
+from kvservice.engine.step_budget import StepTimeBudget
 from kvservice.engine.stop_checker import OutputText
 from kvservice.loading.chat_template import Prompt, ResumedPrompt, encode_prompt
 from kvservice.loading.model_files import load_model_config
@@ -115,6 +117,10 @@ class LLMEngine:
             self.model_config.vocab_size,
             config.num_speculative_tokens,
             config.max_prefill_tokens_with_decode,
+            None if config.step_target_ms is None else StepTimeBudget(
+                config.step_target_ms / 1000, config.max_prefill_tokens_with_decode or config.max_num_batched_tokens,
+                config.max_num_batched_tokens,
+            ),
         )
         drafter = None
         if self.draft is not None:
@@ -225,7 +231,11 @@ class LLMEngine:
         """One step; `eager_finalize` is the speculative benchmark's baseline (see `ModelRunner.execute_model`)."""
         scheduler_output = self.scheduler.schedule()
         self.is_last_step_idle = scheduler_output.num_scheduled_tokens == 0 and not scheduler_output.preempted_req_ids
+        started = time.perf_counter()
         runner_output = self.runner.execute_model(scheduler_output, eager_finalize=eager_finalize)
+        if scheduler_output.num_scheduled_tokens:  # what the step cost, for the next steps' prompt budget
+            num_prompt = scheduler_output.num_prompt_tokens
+            self.scheduler.step_budget.observe(scheduler_output.num_scheduled_tokens - num_prompt, num_prompt, time.perf_counter() - started)
         core_outputs = self.scheduler.update_from_output(
             scheduler_output,
             runner_output.sampled_token_ids,

@@ -3,9 +3,9 @@
 Each step has a token budget (`max_num_batched_tokens`). Decoding requests go first (one
 token each), then the next chunks of running prompts, then waiting requests in arrival
 order, while the budget, `max_num_seqs` and free blocks allow. While any request decodes,
-the prompt tokens of a step are capped too (`max_prefill_tokens_with_decode`): a step's
-time grows with its prompt tokens, and every decoding request waits for the whole step,
-so the cap bounds the inter-token latency that arriving prompts cause. When a request
+the prompt tokens of a step are capped too: a step's time grows with its prompt tokens, and
+every decoding request waits for the whole step, so the cap bounds the inter-token latency
+that arriving prompts cause (`step_budget`: fixed, or sized by measured step time). When a request
 needs a block and none is free, the most recently admitted request not yet scheduled in
 this step is preempted: its blocks are freed and it is recomputed later from its tokens so far.
 
@@ -36,6 +36,7 @@ from kvservice.core.outputs import (
 )
 from kvservice.core.request import Request, RequestStatus
 from kvservice.engine.prefix_reuse import reusable_prefix, waits_for_leader
+from kvservice.engine.step_budget import FixedStepBudget, StepBudget
 
 
 class Scheduler:
@@ -49,12 +50,13 @@ class Scheduler:
         vocab_size: int | None = None,
         num_lookahead_tokens: int = 0,
         max_prefill_tokens_with_decode: int | None = None,
+        step_budget: StepBudget | None = None,
     ) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # None: no cap beyond the step's budget.
-        self.max_prefill_tokens_with_decode = max_prefill_tokens_with_decode or max_num_batched_tokens
+        # The prompt tokens of a step while requests decode; a fixed cap (None: the step's budget) unless given.
+        self.step_budget = step_budget or FixedStepBudget(max_prefill_tokens_with_decode or max_num_batched_tokens)
         self.connector = connector
         self.kv_load_failure_policy = kv_load_failure_policy
         self.vocab_size = vocab_size  # bounds a first token that a remote prefill sends
@@ -148,7 +150,8 @@ class Scheduler:
 
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        prefill_budget = self.max_prefill_tokens_with_decode if decoding else budget
+        prefill_budget = self.step_budget.prompt_tokens(len(decoding)) if decoding else budget
+        num_prompt_tokens = 0
         for request in [*decoding, *prefilling]:
             if budget <= 0 or request.status is not RequestStatus.RUNNING:
                 continue  # out of budget, or preempted for an earlier request this step
@@ -174,6 +177,7 @@ class Scheduler:
             budget -= num_new
             if is_prefill:
                 prefill_budget -= num_new
+                num_prompt_tokens += num_new
 
         # Admit waiting requests only when nothing was preempted: preemption means
         # memory is short, and admitting more would only thrash.
@@ -202,10 +206,12 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_new, block_ids))
             budget -= num_new
             prefill_budget -= num_new
+            num_prompt_tokens += num_new
 
         output = SchedulerOutput(
             scheduled=scheduled,
             num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            num_prompt_tokens=num_prompt_tokens,
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=preempted,
         )

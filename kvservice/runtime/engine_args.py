@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-from kvservice.config import DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE, KV_LOAD_FAILURE_POLICIES, SUPPORTED_DTYPES, EngineConfig
+from kvservice.config import (
+    DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE,
+    DEFAULT_STEP_TARGET_MS,
+    KV_LOAD_FAILURE_POLICIES,
+    SUPPORTED_DTYPES,
+    EngineConfig,
+)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -29,6 +35,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> list[argparse.Actio
             help="prompt tokens one step computes while requests are decoding: longer prompts are chunked so "
             "running streams keep a short inter-token latency; 0: no cap but --max-num-batched-tokens "
             f"(default: {DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE})",
+        ),
+        group.add_argument(
+            "--step-target-ms", type=float, default=DEFAULT_STEP_TARGET_MS, metavar="MS",
+            help="while requests decode, add prompt tokens to a step until its time, predicted from the steps "
+            "measured so far, reaches this: the inter-token latency arriving prompts may cause, whatever the "
+            "machine; 0: the fixed --max-prefill-tokens-with-decode, which also serves until steps are measured "
+            f"(default: {DEFAULT_STEP_TARGET_MS:g})",
         ),
         group.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)"),
         group.add_argument(
@@ -58,6 +71,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode or None,
+        step_target_ms=args.step_target_ms or None,
         max_model_len=args.max_model_len,
         device=args.device,
         dtype=args.dtype,
