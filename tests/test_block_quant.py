@@ -150,6 +150,7 @@ def test_greedy_tokens_are_the_same_with_and_without_the_kernel(
     for module in llm.engine.loaded.model.modules():
         if isinstance(module, Linear):
             module.block_quant = None  # the dense weights (bfloat16: widened): the path without the kernel
+    llm.engine.loaded.model.prepare_for_cpu(batch_hint=16)
     assert [o.token_ids for o in llm.generate(prompts, params)] == with_kernel
 
 

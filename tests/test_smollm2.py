@@ -115,11 +115,13 @@ def test_smollm2_bfloat16_kernel_is_as_close_to_float32_as_the_dense_path(
     assert "Paris" in answer.text and answer.finish_reason == "stop"
     model = llm.engine.loaded.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert all(m.block_quant is not None and m.compute_weight is not None for m in linears)
+    assert all(m.block_quant is not None and m.compute_weight is None for m in linears)  # the kernel needs no copy
     reference = torch.cat([prefill_logits(smollm2_llm.engine.loaded.model, p) for p in prompts])
     with_kernel = torch.cat([prefill_logits(model, p) for p in prompts])
     for module in linears:
         module.block_quant = None
+    model.prepare_for_cpu(batch_hint=16)  # the dense path's float32 copies
+    assert all(m.compute_weight is not None for m in linears)
     dense = torch.cat([prefill_logits(model, p) for p in prompts])
     assert not torch.equal(with_kernel, dense)  # two paths indeed
 
