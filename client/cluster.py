@@ -3,7 +3,8 @@
 `kvservice launch`, the demo, the benchmarks and the tests all start servers through it: every child
 listens on a port the OS picks and prints it on its ready line; decode workers start once the
 prefill workers are ready, with their addresses as `--kv-peers` (the only prefill workers they
-may dial); the cluster is ready when the proxy's health check says SERVING; stopping sends SIGTERM (graceful drain),
+may dial); prefill and decode workers that may run on the same cores take turns on them
+through a `--core-lease` file (`kvservice.worker.core_lease`); the cluster is ready when the proxy's health check says SERVING; stopping sends SIGTERM (graceful drain),
 then SIGKILL to anything still alive after the grace period. No process outlives it:
 on Linux each child gets SIGTERM from the kernel when its parent dies, even by SIGKILL
 (`PR_SET_PDEATHSIG`).
@@ -18,6 +19,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -65,6 +67,8 @@ class LocalCluster:
     decode_cores: Sequence[int] | None = None
     colocated: bool = False  # one `--role both` worker instead of the P/D pair and proxy
     colocated_cores: Sequence[int] | None = None
+    # Prefill and decode workers whose cores overlap take turns on them (unless worker_args name a --core-lease).
+    core_lease: bool = True
     proxy_args: Sequence[str] = ()
     # The readiness probe's channel: set it when the children serve TLS (their flags go in worker_args/proxy_args).
     client_credentials: grpc.ChannelCredentials | None = None
@@ -72,6 +76,7 @@ class LocalCluster:
     grace_period: float = 10.0
     children: list[ChildProcess] = field(default_factory=list)
     address: str = ""  # where clients connect: the proxy, or the colocated worker
+    core_lease_path: str | None = None  # the lease file this cluster made (removed on stop)
 
     @property
     def prefill_addresses(self) -> list[str]:
@@ -100,6 +105,7 @@ class LocalCluster:
             child = await self._spawn("both", [*worker, "--role", "both", "--port", str(self.port)], self.colocated_cores)
             self.address = child.address
         else:
+            worker += self._core_lease_args()
             await asyncio.gather(*(
                 self._spawn(f"prefill-{i}", [*worker, "--role", "prefill"], self.prefill_cores) for i in range(self.num_prefill)
             ))
@@ -112,6 +118,17 @@ class LocalCluster:
             self.address = (await self._spawn("proxy", proxy_cmd, None)).address
         async with KVServiceClient(self.address, self.client_credentials) as client:
             await client.wait_until_serving(self.startup_timeout)
+
+    def _core_lease_args(self) -> list[str]:
+        """A lease file for prefill and decode workers that may compute on the same cores (no
+        cores given means all of them), unless the caller turned it off or named one."""
+        if not self.core_lease or "--core-lease" in self.worker_args or not self.num_prefill or not self.num_decode:
+            return []
+        if self.prefill_cores is not None and self.decode_cores is not None and not set(self.prefill_cores) & set(self.decode_cores):
+            return []
+        fd, self.core_lease_path = tempfile.mkstemp(prefix="kvservice-cores-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        os.close(fd)
+        return ["--core-lease", self.core_lease_path]
 
     def _kv_peers_args(self) -> list[str]:
         """Decode workers may pull KV only from this cluster's prefill workers (their addresses
@@ -170,6 +187,10 @@ class LocalCluster:
                 with contextlib.suppress(asyncio.CancelledError):
                     await child.drain
         self.children.clear()
+        if self.core_lease_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.core_lease_path)
+            self.core_lease_path = None
 
     def child(self, name: str) -> ChildProcess:
         return next(c for c in self.children if c.name == name)

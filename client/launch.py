@@ -32,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV from prefill to decode workers through per-pull shared-memory segments instead of the gRPC byte "
         "stream (every worker runs on this host; `kvservice serve --kv-transfer-shm`; default: off)",
     )
+    parser.add_argument(
+        "--no-core-lease", action="store_true",
+        help="let prefill and decode workers compute on the same cores at once (default: they take turns through a "
+        "lease file, decode steps first: `kvservice serve --core-lease`)",
+    )
     add_routing_arguments(parser)  # passed to the proxy
     add_tls_arguments(parser)
     add_worker_peer_names_argument(parser)  # passed to every worker
@@ -81,7 +86,7 @@ async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:
         worker_args = [*worker_args, "--metrics-port", "0"]
     cluster = LocalCluster(
         args.model, args.num_prefill, args.num_decode, args.port, worker_args, proxy_args=proxy_args,
-        client_credentials=tls.channel_credentials(), grace_period=args.grace_period,
+        client_credentials=tls.channel_credentials(), grace_period=args.grace_period, core_lease=not args.no_core_lease,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -51,9 +51,11 @@ def main() -> None:
     forwards: list[tuple[int, int, float]] = []  # (rows, decode rows, seconds) per forward
     forward = CausalLM.forward
 
-    def timed_forward(self: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any, meta: Any, connector: Any = None) -> torch.Tensor:
+    def timed_forward(
+        self: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any, meta: Any, connector: Any = None, pause: Any = None
+    ) -> torch.Tensor:
         start = time.perf_counter()
-        out = forward(self, input_ids, positions, kv_caches, meta, connector)
+        out = forward(self, input_ids, positions, kv_caches, meta, connector, pause)
         forwards.append((int(input_ids.shape[0]), meta.num_decode_tokens, time.perf_counter() - start))
         return out
 

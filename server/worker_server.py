@@ -20,7 +20,7 @@ import sys
 import grpc
 import torch
 
-from kvservice.config import EngineConfig
+from kvservice.config import DEFAULT_STEP_TARGET_MS, EngineConfig
 from kvservice.connector.base import KVConnectorBase
 from kvservice.connector.decode_connector import DecodeKVConnector
 from kvservice.connector.kv_transfer_service import KVTransferService
@@ -45,6 +45,7 @@ from kvservice.server.openai_front import OpenAIFront
 from kvservice.server.prefill_service import PrefillWorkerService
 from kvservice.server.worker_service import EngineWorkerService
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
+from kvservice.worker.core_lease import CoreLease, LeaseRole
 
 logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "both")
@@ -69,6 +70,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="admission control: requests not yet running (incl. waiting for remote KV) past which new ones get RESOURCE_EXHAUSTED (default: 1024)",
     )
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument(
+        "--core-lease", metavar="FILE", default=None,
+        help="take turns on the cores with the other workers given the same FILE (on this host, the same cores): a decode "
+        "step gets all of them as soon as it starts, a prefill step hands them over between layers; two workers that "
+        "compute on the same cores at once stall each other (`kvservice launch` gives one to its workers; default: off)",
+    )
     parser.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default: 30)")
     add_log_level_argument(parser)
 
@@ -135,7 +142,11 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
             layout, transfer_timeout=args.kv_transfer_timeout, channel_credentials=tls.channel_credentials(),
             auth_token=args.auth_token, use_shared_memory=args.kv_transfer_shm,
         )
-    engine = await asyncio.to_thread(LLMEngine, args.model, config, connector)
+    core_lease = None
+    if args.core_lease is not None:
+        role = LeaseRole.YIELDING if args.role == "prefill" else LeaseRole.FIRST
+        core_lease = CoreLease(args.core_lease, role, (config.step_target_ms or DEFAULT_STEP_TARGET_MS) / 1000)
+    engine = await asyncio.to_thread(LLMEngine, args.model, config, connector, core_lease)
     kv_events = KVEventPublisher(asyncio.get_running_loop(), config.block_size, engine.kv_hash_seed)
     async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_queued_requests, kv_events_sink=kv_events.publish)
     if isinstance(connector, DecodeKVConnector):

@@ -5,6 +5,7 @@ Synchronous and single-threaded; `AsyncLLMEngine` runs it in a thread of its own
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -17,7 +18,7 @@ from kvservice.core.block_hash import hash_seed
 from kvservice.core.block_pool import KVCacheEvent
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.logprobs import TokenLogprobs
-from kvservice.core.outputs import EngineCoreOutput
+from kvservice.core.outputs import EngineCoreOutput, SchedulerOutput
 from kvservice.core.request import Request, RequestStatus, check_request_id
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.scheduler import Scheduler
@@ -29,6 +30,7 @@ from kvservice.loading.model_loader import LoadedModel, load_model
 from kvservice.loading.tokenizer import Tokenizer
 from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.structured.grammar import GrammarCompiler
+from kvservice.worker.core_lease import CoreLease, LeaseRole
 from kvservice.worker.draft_proposer import DraftProposer
 from kvservice.worker.grammar_masks import GrammarMasks
 from kvservice.worker.model_runner import ModelRunner
@@ -81,8 +83,12 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, model: str, config: EngineConfig, connector: KVConnectorBase | None = None) -> None:
+    def __init__(
+        self, model: str, config: EngineConfig, connector: KVConnectorBase | None = None, core_lease: CoreLease | None = None
+    ) -> None:
+        """`core_lease`: steps take turns on the cores with other workers on them (see `CoreLease`)."""
         self.config = config
+        self.core_lease = core_lease
         self.loaded: LoadedModel = load_model(
             model, config.dtype, config.device, config.max_model_len or load_model_config(model).max_position_embeddings
         )
@@ -131,6 +137,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded.model, self.kv_caches, self.layout, self.loaded.device, config.seed, connector, drafter,
             GrammarMasks(self.grammar_compiler),
+            core_lease.pause if core_lease is not None and core_lease.role is LeaseRole.YIELDING else None,
         )
         self._tracked: dict[str, _Tracked] = {}  # by the id each sequence runs under
         self._sequence_ids: dict[str, list[str]] = {}  # caller's id -> its unfinished sequences' ids
@@ -231,8 +238,9 @@ class LLMEngine:
         """One step; `eager_finalize` is the speculative benchmark's baseline (see `ModelRunner.execute_model`)."""
         scheduler_output = self.scheduler.schedule()
         self.is_last_step_idle = scheduler_output.num_scheduled_tokens == 0 and not scheduler_output.preempted_req_ids
-        started = time.perf_counter()
-        runner_output = self.runner.execute_model(scheduler_output, eager_finalize=eager_finalize)
+        with self._turn(scheduler_output):
+            started = time.perf_counter()
+            runner_output = self.runner.execute_model(scheduler_output, eager_finalize=eager_finalize)
         if scheduler_output.num_scheduled_tokens:  # what the step cost, for the next steps' prompt budget
             num_prompt = scheduler_output.num_prompt_tokens
             self.scheduler.step_budget.observe(scheduler_output.num_scheduled_tokens - num_prompt, num_prompt, time.perf_counter() - started)
@@ -245,6 +253,12 @@ class LLMEngine:
             runner_output.errors,
         )
         return [out for core in core_outputs if (out := self._to_request_output(core)) is not None]
+
+    def _turn(self, scheduler_output: SchedulerOutput) -> contextlib.AbstractContextManager[None]:
+        """The cores for a step that computes (a step that only reports connector progress needs none)."""
+        if self.core_lease is None or scheduler_output.is_empty:
+            return contextlib.nullcontext()
+        return self.core_lease.turn()
 
     def _to_request_output(self, core: EngineCoreOutput) -> RequestOutput | None:
         tracked = self._tracked.get(core.request_id)

@@ -14,6 +14,7 @@ A KV connector, when given, is called around each layer through `LayerKVHooks`:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,10 @@ def _can_pack_weights() -> bool:
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
+
+
+# Called between a prompt step's matmuls with the name of what runs next (the same names in every layer).
+Pause = Callable[[str], None]
 
 
 class Linear(nn.Linear):
@@ -197,7 +202,9 @@ class Attention(nn.Module):
         o_bias = bias and cfg.architecture == "llama"
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
 
-    def forward(self, x: torch.Tensor, rope: StepRope, kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: StepRope, kv_layer: torch.Tensor, meta: AttentionMetadata, pause: Pause | None = None
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         rope.apply_(qkv, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -207,6 +214,8 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(kv_layer, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_layer, meta)
+        if pause is not None:
+            pause("o_proj")
         return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -217,8 +226,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pause: Pause | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if pause is not None:
+            pause("down_proj")
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -303,7 +314,9 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         connector: LayerKVHooks | None = None,
+        pause: Pause | None = None,
     ) -> torch.Tensor:
+        """`pause` runs between the per-op path's matmuls, told what runs next: a worker sharing its cores hands them over there (`CoreLease`)."""
         h = self.model.embed_tokens(input_ids)  # the residual stream [T, hidden], updated in place
         fused = h.device.type == "cpu" and kernels_loaded()
         rope = self.rotary(positions, h.dtype, fused)
@@ -315,12 +328,16 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(layers):
             if connector is not None:
                 connector.wait_for_layer_load(i)
-            attn_out = layer.self_attn(x, rope, kv_caches[i], meta)
+            attn_out = layer.self_attn(x, rope, kv_caches[i], meta, pause)
             if connector is not None:
                 connector.save_kv_layer(i, kv_caches[i], meta)
             x = _add_rms_norm_(h, attn_out, layer.post_attention_layernorm, fused)
+            if pause is not None:
+                pause("mlp")
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x = _add_rms_norm_(h, layer.mlp(x), next_norm, fused)
+            x = _add_rms_norm_(h, layer.mlp(x, pause), next_norm, fused)
+            if pause is not None:
+                pause("attention")
         return x
 
     def _decode_layer_args(self, meta: AttentionMetadata) -> list[tuple[Any, ...]] | None:

@@ -22,7 +22,7 @@ from kvservice.core.logprobs import TokenLogprobs
 from kvservice.core.outputs import KVConnectorOutput, ScheduledRequest, SchedulerOutput
 from kvservice.model.cpu_kernels import load_cpu_kernels
 from kvservice.model.kv_cache import KVCacheLayout
-from kvservice.model.model import CausalLM
+from kvservice.model.model import CausalLM, Pause
 from kvservice.worker.draft_proposer import DraftProposer
 from kvservice.worker.grammar_masks import GrammarMasks
 from kvservice.worker.input_batch import BatchItem, InputBatch, build_batch
@@ -56,6 +56,7 @@ class ModelRunner:
         connector: KVConnectorBase | None = None,
         drafter: DraftProposer | None = None,
         grammar_masks: GrammarMasks | None = None,
+        pause: Pause | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -65,6 +66,7 @@ class ModelRunner:
         self.connector = connector
         self.drafter = drafter
         self.grammar_masks = grammar_masks
+        self.pause = pause  # between the model's sublayers (a prefill worker sharing its cores: CoreLease.pause)
         if device.type == "cpu":
             load_cpu_kernels()  # at start-up, so no request waits for the build
             model.prepare_for_cpu(batch_hint=16)  # the packed layout suits any row count
@@ -99,7 +101,7 @@ class ModelRunner:
         batch = build_batch(items, self.block_size, self.device)
         draft_overlaps_save = self.drafter is not None and not eager_finalize
         with maybe_get_kv_connector_output(self.connector, scheduler_output, defer_finalize or draft_overlaps_save) as kv_output:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, self.connector)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, self.connector, self.pause)
         sampled, logits, errors = self._sample(scheduled, batch, hidden)
         if self.drafter is not None:
             self.drafter.propose(scheduled, sampled, self.sampler)
