@@ -50,6 +50,7 @@ constexpr int64_t kBlock = 32;   // weights per scale/min
 constexpr int64_t kChunk = 256;  // k per dequantized chunk: 16 KiB of float32, stays in L1
 constexpr int64_t kRowTile = 6;  // rows of x per buffered micro-kernel (AVX2: 12 accumulators)
 constexpr int64_t kDirectRows = 4;
+constexpr int64_t kRowBlock = 256;  // rows of x per pass over the panels (see linear_panels); > kDirectRows
 
 // ------------------------------------------------------------------ 16 lanes of float32
 
@@ -289,35 +290,45 @@ void store_panel(const float* acc, int64_t m_size, int64_t stride, const scalar_
   }
 }
 
-// acc [M, N] float32 = x W^T, then y = acc + bias in scalar_t, panel by panel.
+// acc [M, N] float32 = x W^T, then y = acc + bias in scalar_t, panel by panel. Many rows go
+// kRowBlock at a time through every panel, so the block of x every panel reads stays in L2
+// and the strip of y a panel writes spans few pages (SmolLM2's gate/up projection of a
+// 2,048-row prompt step, panel by panel over all rows: 38.6 ms; 256 rows at a time: 35.6 ms).
+// Each output's sum runs over k in the same order either way.
 template <typename scalar_t, bool kPacked, bool kBf16>
 void linear_panels(const float* x, int64_t m_size, int64_t k_size, const uint8_t* codes, const at::Half* scales,
                    const at::Half* mins, int64_t num_panels, const scalar_t* bias, float* acc, scalar_t* y) {
   const int64_t n_size = num_panels * kPanel;
   const int64_t panel_code_bytes = kPacked ? k_size / 2 * kPanel : k_size * kPanel;
   const int64_t panel_blocks = k_size / kBlock * kPanel;
-  kvservice::parallel_for(num_panels, 16, [&](int64_t begin, int64_t end) {
-    alignas(64) float buf[kChunk * kPanel];
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* panel_codes = codes + p * panel_code_bytes;
-      const at::Half* panel_scales = scales + p * panel_blocks;
-      const at::Half* panel_mins = mins + p * panel_blocks;
-      if (m_size <= kDirectRows) {
-        direct_rows<kPacked, kBf16>(m_size, x, k_size, panel_codes, panel_scales, panel_mins, k_size, acc + p * kPanel,
-                                    n_size);
-      } else {
-        for (int64_t k0 = 0; k0 < k_size; k0 += kChunk) {
-          const int64_t k_len = std::min(kChunk, k_size - k0);
-          dequantize_chunk<kPacked, kBf16>(panel_codes, panel_scales, panel_mins, k0, k_len, buf);
-          for (int64_t r0 = 0; r0 < m_size; r0 += kRowTile) {
-            buffered_rows(std::min(kRowTile, m_size - r0), x + r0 * k_size + k0, k_size, buf, k_len,
-                          acc + r0 * n_size + p * kPanel, n_size, k0 > 0);
+  for (int64_t m0 = 0; m0 < m_size; m0 += kRowBlock) {
+    const int64_t m_len = std::min(kRowBlock, m_size - m0);
+    const float* x_block = x + m0 * k_size;
+    float* acc_block = acc + m0 * n_size;
+    kvservice::parallel_for(num_panels, 16, [&](int64_t begin, int64_t end) {
+      alignas(64) float buf[kChunk * kPanel];
+      for (int64_t p = begin; p < end; ++p) {
+        const uint8_t* panel_codes = codes + p * panel_code_bytes;
+        const at::Half* panel_scales = scales + p * panel_blocks;
+        const at::Half* panel_mins = mins + p * panel_blocks;
+        if (m_size <= kDirectRows) {  // one block: m_len == m_size
+          direct_rows<kPacked, kBf16>(m_len, x_block, k_size, panel_codes, panel_scales, panel_mins, k_size,
+                                      acc_block + p * kPanel, n_size);
+        } else {
+          for (int64_t k0 = 0; k0 < k_size; k0 += kChunk) {
+            const int64_t k_len = std::min(kChunk, k_size - k0);
+            dequantize_chunk<kPacked, kBf16>(panel_codes, panel_scales, panel_mins, k0, k_len, buf);
+            for (int64_t r0 = 0; r0 < m_len; r0 += kRowTile) {
+              buffered_rows(std::min(kRowTile, m_len - r0), x_block + r0 * k_size + k0, k_size, buf, k_len,
+                            acc_block + r0 * n_size + p * kPanel, n_size, k0 > 0);
+            }
           }
         }
+        store_panel(acc_block + p * kPanel, m_len, n_size, bias == nullptr ? nullptr : bias + p * kPanel,
+                    y + m0 * n_size + p * kPanel);
       }
-      store_panel(acc + p * kPanel, m_size, n_size, bias == nullptr ? nullptr : bias + p * kPanel, y + p * kPanel);
-    }
-  });
+    });
+  }
 }
 
 template <bool kPacked>
