@@ -41,13 +41,25 @@ def _random_weight(num_rows: int, num_cols: int, is_signed: bool, seed: int) -> 
     return BlockQuantWeight.from_rows(codes, scales, mins)
 
 
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 6, 7, 13, 16, 64, 81, 300])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 6, 7, 9, 13, 16, 17, 64, 81, 300])
 @pytest.mark.parametrize(("shape", "is_signed"), [((960, 576), False), ((576, 1536), False), ((160, 288), True)])
 def test_kernel_equals_the_pytorch_formula(kernels: None, num_rows: int, shape: tuple[int, int], is_signed: bool) -> None:
     weight = _random_weight(*shape, is_signed, seed=num_rows)
     x = torch.randn(num_rows, shape[1], generator=torch.Generator().manual_seed(7))
     # Only the order of each dot product's additions differs: float32 rounding, nothing more.
     torch.testing.assert_close(weight.linear(x), weight.linear_reference(x), rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(("shape", "is_signed"), [((960, 576), False), ((160, 288), True)])
+def test_a_rows_result_is_the_same_in_every_batch_of_four_or_more_rows(kernels: None, shape: tuple[int, int], is_signed: bool) -> None:
+    # Decode batches take the direct path, prompt steps the buffered one, in row blocks: every
+    # row's dot products still add in the same order, so batching never changes a result.
+    weight = _random_weight(*shape, is_signed, seed=3)
+    x = torch.randn(300, shape[1], generator=torch.Generator().manual_seed(5))
+    full = weight.linear(x)
+    for num_rows in (4, 5, 8, 9, 13, 16, 17, 64, 257):
+        assert torch.equal(weight.linear(x[:num_rows]), full[:num_rows]), num_rows
+    assert torch.equal(weight.linear(x[290:]), full[290:])  # 10 rows, from a later block
 
 
 @pytest.mark.parametrize("num_rows", [1, 2, 6, 7, 16, 64])

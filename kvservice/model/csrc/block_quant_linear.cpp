@@ -49,7 +49,15 @@ constexpr int64_t kPanel = 16;   // output rows per panel: one 16-float vector (
 constexpr int64_t kBlock = 32;   // weights per scale/min
 constexpr int64_t kChunk = 256;  // k per dequantized chunk: 16 KiB of float32, stays in L1
 constexpr int64_t kRowTile = 6;  // rows of x per buffered micro-kernel (AVX2: 12 accumulators)
+#if defined(__AVX512F__)
+// 32 vector registers: 8 rows' sums and 4 k's weights stay in them, so up to 16 rows take the
+// direct path in groups of 8 (weights dequantized once per group instead of into a buffer).
+constexpr int64_t kDirectRows = 16;
+constexpr int64_t kDirectGroup = 8;
+#else
 constexpr int64_t kDirectRows = 4;
+constexpr int64_t kDirectGroup = 4;
+#endif
 constexpr int64_t kRowBlock = 256;  // rows of x per pass over the panels (see linear_panels); > kDirectRows
 
 // ------------------------------------------------------------------ 16 lanes of float32
@@ -221,15 +229,29 @@ void direct_panel(const float* x, int64_t x_stride, const uint8_t* codes, const 
   }
 }
 
+// Up to 3 rows (U > 1: more chains in flight), or any rows of a larger batch, whose sums then
+// run over k in order as the buffered path's do: a row's result is the same in every batch
+// of 4 or more rows, whichever path serves it.
 template <bool kPacked, bool kBf16>
-void direct_rows(int64_t num_rows, const float* x, int64_t x_stride, const uint8_t* codes, const at::Half* scales,
-                 const at::Half* mins, int64_t k_size, float* acc, int64_t acc_stride) {
-  switch (num_rows) {  // U * R chains: 4 or more
-    case 1: return direct_panel<1, 4, kPacked, kBf16>(x, x_stride, codes, scales, mins, k_size, acc, acc_stride);
-    case 2: return direct_panel<2, 2, kPacked, kBf16>(x, x_stride, codes, scales, mins, k_size, acc, acc_stride);
-    case 3: return direct_panel<3, 2, kPacked, kBf16>(x, x_stride, codes, scales, mins, k_size, acc, acc_stride);
-    default: return direct_panel<4, 1, kPacked, kBf16>(x, x_stride, codes, scales, mins, k_size, acc, acc_stride);
+void direct_rows(int64_t num_rows, bool in_order, const float* x, int64_t x_stride, const uint8_t* codes,
+                 const at::Half* scales, const at::Half* mins, int64_t k_size, float* acc, int64_t acc_stride) {
+#define KVSERVICE_DIRECT(R, U) \
+  return direct_panel<R, U, kPacked, kBf16>(x, x_stride, codes, scales, mins, k_size, acc, acc_stride)
+  switch (num_rows) {
+    case 1: if (in_order) KVSERVICE_DIRECT(1, 1); KVSERVICE_DIRECT(1, 4);
+    case 2: if (in_order) KVSERVICE_DIRECT(2, 1); KVSERVICE_DIRECT(2, 2);
+    case 3: if (in_order) KVSERVICE_DIRECT(3, 1); KVSERVICE_DIRECT(3, 2);
+#if defined(__AVX512F__)
+    case 4: KVSERVICE_DIRECT(4, 1);
+    case 5: KVSERVICE_DIRECT(5, 1);
+    case 6: KVSERVICE_DIRECT(6, 1);
+    case 7: KVSERVICE_DIRECT(7, 1);
+    default: KVSERVICE_DIRECT(8, 1);
+#else
+    default: KVSERVICE_DIRECT(4, 1);
+#endif
   }
+#undef KVSERVICE_DIRECT
 }
 
 // ------------------------------------------------------------------ buffered path: more rows
@@ -312,8 +334,11 @@ void linear_panels(const float* x, int64_t m_size, int64_t k_size, const uint8_t
         const at::Half* panel_scales = scales + p * panel_blocks;
         const at::Half* panel_mins = mins + p * panel_blocks;
         if (m_size <= kDirectRows) {  // one block: m_len == m_size
-          direct_rows<kPacked, kBf16>(m_len, x_block, k_size, panel_codes, panel_scales, panel_mins, k_size,
-                                      acc_block + p * kPanel, n_size);
+          for (int64_t r0 = 0; r0 < m_len; r0 += kDirectGroup) {
+            direct_rows<kPacked, kBf16>(std::min(kDirectGroup, m_len - r0), m_size > 3, x_block + r0 * k_size, k_size,
+                                        panel_codes, panel_scales, panel_mins, k_size,
+                                        acc_block + r0 * n_size + p * kPanel, n_size);
+          }
         } else {
           for (int64_t k0 = 0; k0 < k_size; k0 += kChunk) {
             const int64_t k_len = std::min(kChunk, k_size - k0);
