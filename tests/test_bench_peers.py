@@ -179,12 +179,17 @@ def test_server_commands_serve_smollm2_on_the_given_port(tmp_path: Path) -> None
     assert vllm.argv[vllm.argv.index("--dtype") + 1] == "float32" and vllm.env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
 
 
-async def test_a_server_is_timed_to_its_first_model_list_and_stopped(tmp_path: Path) -> None:
+async def test_a_server_is_timed_until_it_is_healthy_and_lists_its_model_and_stopped(tmp_path: Path) -> None:
     (tmp_path / "v1").mkdir()
     (tmp_path / "v1" / "models").write_text('{"data": [{"id": "smollm2"}]}')
     port = peer_servers.free_port()
     argv = (sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path))
     spec = peer_servers.ServerSpec("stand-in", argv, port)
+    # A model list alone is not ready: a proxy lists its model before it has a healthy decode worker.
+    with pytest.raises(peer_servers.ServerStartError, match="not ready within"):
+        async with peer_servers.PeerServer(spec, tmp_path / "unhealthy.log", ready_timeout=1.0):
+            pass
+    (tmp_path / "health").write_text("ok")
     async with peer_servers.PeerServer(spec, tmp_path / "log", ready_timeout=30.0) as server:
         assert 0 < server.startup_s < 30
         assert server.process is not None

@@ -12,7 +12,10 @@ Each serves SmolLM2-135M-Instruct under the name `smollm2` on an OpenAI-compatib
   set VLLM_CPU_OMP_THREADS_BIND / VLLM_CPU_KVCACHE_SPACE to override).
 
 `PeerServer` starts one in a session of its own (its log in a file), times it from the spawn
-to the first 200 from `/v1/models`, and stops its whole process group on exit.
+until `/health` and `/v1/models` both answer 200, and stops its whole process group on exit.
+Both: a proxy's HTTP front lists its model before its first health check has found a decode
+worker, and a request sent then gets 503 (`/health` says 503 until it serves; llama.cpp's and
+vLLM's say so while their model loads).
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def server_spec(
 
 class PeerServer:
     """One server process: `async with PeerServer(spec, log) as server:` starts it and waits
-    until `/v1/models` answers 200 (`startup_s` is how long that took); leaving stops it."""
+    until `/health` and `/v1/models` answer 200 (`startup_s` is how long that took); leaving stops it."""
 
     def __init__(self, spec: ServerSpec, log: Path, ready_timeout: float, grace_period: float = 30.0) -> None:
         self.spec, self.log, self.ready_timeout, self.grace_period = spec, log, ready_timeout, grace_period
@@ -134,7 +137,7 @@ class PeerServer:
         exited = asyncio.create_task(self.process.wait())
         try:
             async with aiohttp.ClientSession() as session:
-                while not await _answers(session, self.spec.base_url + "/v1/models"):
+                while not all([await _answers(session, self.spec.base_url + path) for path in _READY_PATHS]):
                     if exited.done():
                         raise ServerStartError(f"exited with code {exited.result()} before it was ready; {self._log_tail()}")
                     if time.perf_counter() > deadline:
@@ -169,6 +172,9 @@ class PeerServer:
     def _log_tail(self) -> str:
         data = self.log.read_bytes()[-_LOG_TAIL_BYTES:].decode(errors="replace")
         return f"the end of {self.log}:\n{data}"
+
+
+_READY_PATHS = ("/health", "/v1/models")
 
 
 async def _answers(session: aiohttp.ClientSession, url: str) -> bool:

@@ -7,7 +7,7 @@ float32 directory converted from it). Peers missing from `--peers-dir` are insta
 (`peer_install.py`; `--install-only` does just that).
 
 Per server, in order:
-1. start it and time it to the first 200 from `/v1/models` (start-up);
+1. start it and time it until `/health` and `/v1/models` answer 200 (start-up);
 2. sanity: at temperature 0 the completion of "The capital of France is" and the chat answer to
    "What is the capital of France? Answer in one word." must name Paris, and one workload-shaped
    completion must stream exactly its output length (EOS ignored). A server that fails is
