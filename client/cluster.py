@@ -4,8 +4,9 @@
 listens on a port the OS picks and prints it on its ready line; decode workers start once the
 prefill workers are ready, with their addresses as `--kv-peers` (the only prefill workers they
 may dial); prefill and decode workers that may run on the same cores take turns on them
-through a `--core-lease` file (`kvservice.worker.core_lease`); the cluster is ready when the proxy's health check says SERVING; stopping sends SIGTERM (graceful drain),
-then SIGKILL to anything still alive after the grace period. No process outlives it:
+through a `--core-lease` file (`kvservice.worker.core_lease`); the cluster is ready when the
+proxy's health check says SERVING; stopping sends SIGTERM (graceful drain), then SIGKILL to
+anything still alive after the grace period. No process outlives it:
 on Linux each child gets SIGTERM from the kernel when its parent dies, even by SIGKILL
 (`PR_SET_PDEATHSIG`).
 """
