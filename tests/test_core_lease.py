@@ -1,5 +1,6 @@
 """Workers on the same cores take turns (`CoreLease`): a decode step waiting for the turn gets it
-at a prefill step's next pause point past the quantum, never before it; a dead holder frees it;
+at a prefill step's first pause point, then at the next one past the quantum, never before it;
+a dead holder frees it;
 pause points run between every layer's matmuls without changing a token; `LocalCluster` gives
 a lease to prefill and decode workers only where their cores overlap."""
 
@@ -92,7 +93,7 @@ def test_a_prefill_step_hands_the_turn_to_a_waiting_decode_step_past_its_quantum
     assert decode.wait(_DEADLINE_S) == 0
 
 
-def test_a_prefill_step_keeps_the_turn_before_its_quantum_and_while_nobody_waits(
+def test_a_prefill_step_keeps_the_turn_within_its_quantum_and_while_nobody_waits(
     lease_path: str, decode_steps: list[subprocess.Popen[str]]
 ) -> None:
     alone = CoreLease(lease_path, LeaseRole.YIELDING, target_s=1e-6)
@@ -103,14 +104,22 @@ def test_a_prefill_step_keeps_the_turn_before_its_quantum_and_while_nobody_waits
 
     prefill = CoreLease(lease_path, LeaseRole.YIELDING, target_s=600.0)
     with prefill.turn():
-        decode = _decode_step(lease_path, "once")
-        decode_steps.append(decode)
-        assert _read(decode) == "waiting"
+        first = _decode_step(lease_path, "once")
+        decode_steps.append(first)
+        assert _read(first) == "waiting"
         _until(prefill.others_wait, "the decode step to wait")
-        for _ in range(3):
+        # A step's first pause point hands over at once (the decode step after it can take
+        # the requests whose first token the previous step produced) ...
+        prefill.pause("matmul")
+        assert prefill.num_handovers == 1 and [_read(first), _read(first)] == ["holding", "released"]
+        second = _decode_step(lease_path, "once")
+        decode_steps.append(second)
+        assert _read(second) == "waiting"
+        _until(prefill.others_wait, "the second decode step to wait")
+        for _ in range(3):  # ... then the step keeps the turn for its quantum
             prefill.pause("matmul")
-        assert prefill.num_handovers == 0 and prefill.others_wait()
-    assert [_read(decode), _read(decode)] == ["holding", "released"]  # the end of the step hands it over
+        assert prefill.num_handovers == 1 and prefill.others_wait()
+    assert [_read(second), _read(second)] == ["holding", "released"]  # the end of the step hands it over
 
 
 def test_the_turn_of_a_worker_that_died_holding_it_is_free(lease_path: str, decode_steps: list[subprocess.Popen[str]]) -> None:
