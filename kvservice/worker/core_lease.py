@@ -39,6 +39,7 @@ from collections.abc import Iterator
 _TURN = 0  # held (exclusive) by whoever computes
 _WANT = 1  # held (shared) by every decode step waiting for the turn
 _HANDOVER_POLL_S = 0.0002
+_HELD = (BlockingIOError, PermissionError)  # a non-blocking lock that another process holds: EAGAIN or EACCES
 
 
 class LeaseRole(enum.Enum):
@@ -107,7 +108,7 @@ class CoreLease:
         """Whether a decode step waits for the turn."""
         try:
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _WANT)
-        except OSError:
+        except _HELD:
             return True
         fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _WANT)
         return False
@@ -116,7 +117,7 @@ class CoreLease:
         try:
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _TURN)
             return
-        except OSError:
+        except _HELD:
             pass
         fcntl.lockf(self._fd, fcntl.LOCK_SH, 1, _WANT)  # tells the holder to hand over
         try:
