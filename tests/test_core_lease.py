@@ -72,19 +72,23 @@ def _until(condition: object, what: str) -> None:
         time.sleep(0.001)
 
 
-def test_a_prefill_step_hands_the_turn_to_a_waiting_decode_step_past_its_quantum(
+def _waiting_decode_step(path: str, decode_steps: list[subprocess.Popen[str]], prefill: CoreLease) -> subprocess.Popen[str]:
+    """A decode step in another process, once `prefill` sees it waiting for the turn."""
+    decode = _decode_step(path, "once")
+    decode_steps.append(decode)
+    assert _read(decode) == "waiting"
+    _until(prefill.others_wait, "a decode step to wait")
+    return decode
+
+
+def test_a_prefill_step_hands_the_turn_to_a_waiting_decode_step_and_takes_its_time_from_the_quantum(
     lease_path: str, decode_steps: list[subprocess.Popen[str]]
 ) -> None:
     prefill = CoreLease(lease_path, LeaseRole.YIELDING, target_s=0.05)
     with prefill.turn():
-        decode = _decode_step(lease_path, "once")
-        decode_steps.append(decode)
-        assert _read(decode) == "waiting"
-        _until(prefill.others_wait, "the decode step to wait")
-        taken = time.monotonic()
-        while prefill.num_handovers == 0:  # each pause point before the quantum keeps the turn
-            prefill.pause("matmul")
-            assert time.monotonic() < taken + _DEADLINE_S
+        decode = _waiting_decode_step(lease_path, decode_steps, prefill)
+        prefill.pause("matmul")  # the step's first pause point: its quantum counts as spent
+        assert prefill.num_handovers == 1
         # pause() returns once the decode step has had the turn and given it back; what that took
         # is taken from the next quantum, down to a quarter of the target.
         assert prefill.target_s / 4 <= prefill.quantum_s < prefill.target_s
@@ -104,18 +108,12 @@ def test_a_prefill_step_keeps_the_turn_within_its_quantum_and_while_nobody_waits
 
     prefill = CoreLease(lease_path, LeaseRole.YIELDING, target_s=600.0)
     with prefill.turn():
-        first = _decode_step(lease_path, "once")
-        decode_steps.append(first)
-        assert _read(first) == "waiting"
-        _until(prefill.others_wait, "the decode step to wait")
+        first = _waiting_decode_step(lease_path, decode_steps, prefill)
         # A step's first pause point hands over at once (the decode step after it can take
         # the requests whose first token the previous step produced) ...
         prefill.pause("matmul")
         assert prefill.num_handovers == 1 and [_read(first), _read(first)] == ["holding", "released"]
-        second = _decode_step(lease_path, "once")
-        decode_steps.append(second)
-        assert _read(second) == "waiting"
-        _until(prefill.others_wait, "the second decode step to wait")
+        second = _waiting_decode_step(lease_path, decode_steps, prefill)
         for _ in range(3):  # ... then the step keeps the turn for its quantum
             prefill.pause("matmul")
         assert prefill.num_handovers == 1 and prefill.others_wait()

@@ -70,8 +70,7 @@ class CoreLease:
     def turn(self) -> Iterator[None]:
         """Hold the turn for one step."""
         if self.role is LeaseRole.FIRST:
-            self._take_first()
-            self._held_since = time.monotonic()
+            self._take_first()  # its steps never pause: nothing to time
         else:
             fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _TURN)
             # The step's first pause point hands over to a waiting decode step at once: that one

@@ -66,7 +66,7 @@ class ModelRunner:
         self.connector = connector
         self.drafter = drafter
         self.grammar_masks = grammar_masks
-        self.pause = pause  # between the model's sublayers (a prefill worker sharing its cores: CoreLease.pause)
+        self.pause = pause  # between the model's matmuls (a prefill worker sharing its cores: CoreLease.pause)
         if device.type == "cpu":
             load_cpu_kernels()  # at start-up, so no request waits for the build
             model.prepare_for_cpu(batch_hint=16)  # the packed layout suits any row count
