@@ -199,6 +199,9 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     # Automatic prefix caching: full blocks are kept, keyed by their tokens, and shared.
     enable_prefix_caching: bool = True
+    # A colocated worker computes prompts in batches of up to max_num_batched_tokens, in slices of
+    # time between its decode steps, instead of chunks inside them (`kvservice.worker.prompt_lane`).
+    prompt_lane: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

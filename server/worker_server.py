@@ -100,6 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     config = engine_args.engine_config(args)
+    if args.role != "both":  # the lane is a colocated worker's own prefill
+        config = dataclasses.replace(config, prompt_lane=False)
     if args.role == "prefill":
         # The draft's KV never travels: a prefill worker would compute it for nobody.
         return dataclasses.replace(config, draft_model=None, num_speculative_tokens=0)

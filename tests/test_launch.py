@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import pathlib
 import signal
 import sys
@@ -45,7 +46,8 @@ def test_engine_flags_given_to_launch_are_every_workers_engine_config() -> None:
     assert argv[-2:] == ["--num-threads", "1"]  # the flags after '--' come last: they win
     worker = _parse(worker_server.add_arguments, "--role", "decode", *argv)
     assert worker.num_threads == 1
-    assert worker_server.engine_config(worker) == engine_config(args)
+    # The prompt lane is a colocated worker's: a decode worker's config turns it off.
+    assert worker_server.engine_config(worker) == dataclasses.replace(engine_config(args), prompt_lane=False)
     assert engine_config(args).max_model_len == 256 and engine_config(args).dtype == "float32"
 
 

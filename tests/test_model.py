@@ -11,7 +11,8 @@ from kvservice.loading.model_loader import load_model
 from kvservice.model import model as model_module
 from kvservice.model.attention import AttentionMetadata, PrefillSpan
 from kvservice.model.cpu_kernels import load_cpu_kernels
-from kvservice.model.model import CausalLM, Linear, RMSNorm, RotaryEmbedding
+from kvservice.model.model import CausalLM, Linear, RMSNorm
+from kvservice.model.rotary import RotaryEmbedding
 
 
 def _logits(net: CausalLM, num_tokens: int) -> torch.Tensor:

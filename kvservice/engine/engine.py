@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvservice.config import EngineConfig, ModelConfig
+from kvservice.config import DEFAULT_STEP_TARGET_MS, EngineConfig, ModelConfig
 from kvservice.connector.base import KVConnectorBase
 from kvservice.core.block_hash import hash_seed
 from kvservice.core.block_pool import KVCacheEvent
@@ -34,6 +34,7 @@ from kvservice.worker.core_lease import CoreLease, LeaseRole
 from kvservice.worker.draft_proposer import DraftProposer
 from kvservice.worker.grammar_masks import GrammarMasks
 from kvservice.worker.model_runner import ModelRunner
+from kvservice.worker.prompt_lane import PromptLane, PromptLaneConnector
 
 
 @dataclass(slots=True)
@@ -109,6 +110,16 @@ class LLMEngine:
             bytes_per_block += draft_layout.bytes_per_block
         num_blocks = config.num_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
         self.kv_caches = allocate_kv_caches(self.layout, num_blocks, self.loaded.device)
+        self.prompt_lane: PromptLane | None = None
+        if config.prompt_lane:
+            if connector is not None:
+                raise ValueError("prompt_lane: a colocated worker's; this engine's KV already comes through a connector")
+            self.prompt_lane = PromptLane(
+                self.loaded.model, self.kv_caches, config.block_size, self.loaded.device, config.max_num_batched_tokens
+            )
+            connector = PromptLaneConnector(self.prompt_lane)
+        self._step_target_s = (config.step_target_ms or DEFAULT_STEP_TARGET_MS) / 1000
+        self._last_step_s = 0.0  # the last step that computed: what a lane slice leaves of the target
         self.connector = connector
         if connector is not None:
             connector.register_kv_caches(self.kv_caches, self.layout)
@@ -236,23 +247,42 @@ class LLMEngine:
 
     def step(self, eager_finalize: bool = False) -> list[RequestOutput]:
         """One step; `eager_finalize` is the speculative benchmark's baseline (see `ModelRunner.execute_model`)."""
+        self._run_prompt_lane()
         scheduler_output = self.scheduler.schedule()
-        self.is_last_step_idle = scheduler_output.num_scheduled_tokens == 0 and not scheduler_output.preempted_req_ids
         with self._turn(scheduler_output):
             started = time.perf_counter()
             runner_output = self.runner.execute_model(scheduler_output, eager_finalize=eager_finalize)
         if scheduler_output.num_scheduled_tokens:  # what the step cost, for the next steps' prompt budget
             num_prompt = scheduler_output.num_prompt_tokens
-            self.scheduler.step_budget.observe(scheduler_output.num_scheduled_tokens - num_prompt, num_prompt, time.perf_counter() - started)
+            self._last_step_s = time.perf_counter() - started
+            self.scheduler.step_budget.observe(scheduler_output.num_scheduled_tokens - num_prompt, num_prompt, self._last_step_s)
+        kv_output = runner_output.kv_connector_output
+        self.is_last_step_idle = (
+            scheduler_output.num_scheduled_tokens == 0 and not scheduler_output.preempted_req_ids
+            # Loads that finished run in the next step; the lane's work is the next step's too.
+            and not (kv_output is not None and kv_output.finished_recving)
+            and not (self.prompt_lane is not None and self.prompt_lane.has_work)
+        )
         core_outputs = self.scheduler.update_from_output(
             scheduler_output,
             runner_output.sampled_token_ids,
-            runner_output.kv_connector_output,
+            kv_output,
             runner_output.logprobs,
             runner_output.prompt_logprobs,
             runner_output.errors,
         )
         return [out for core in core_outputs if (out := self._to_request_output(core)) is not None]
+
+    def _run_prompt_lane(self) -> None:
+        """A slice of the prompt lane before the step: what the last step left of the step target
+        (at least a quarter of it, so prompts progress), or the whole batch when nothing decodes."""
+        lane = self.prompt_lane
+        if lane is None or not lane.has_work:
+            return
+        if not self.scheduler.running:
+            lane.run(None)
+        else:
+            lane.run(max(self._step_target_s - self._last_step_s, self._step_target_s / 4))
 
     def _turn(self, scheduler_output: SchedulerOutput) -> contextlib.AbstractContextManager[None]:
         """The cores for a step that computes (a step that only reports connector progress needs none)."""

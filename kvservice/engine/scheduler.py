@@ -16,6 +16,7 @@ After every step the blocks that computed tokens filled join the prefix cache.
 With a KV connector, a waiting request whose prompt KV comes from elsewhere gets its
 blocks and parks in WAITING_FOR_REMOTE_KV until the connector reports the load done;
 only the part past its local prefix hit is loaded (possibly nothing but the first token).
+A colocated worker's prompt lane loads all its tokens but the last, which a step then computes.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ from kvservice.core.outputs import (
 )
 from kvservice.core.request import Request, RequestStatus
 from kvservice.engine.prefix_reuse import reusable_prefix, waits_for_leader
+from kvservice.engine.remote_kv_loads import RemoteKVLoads
 from kvservice.engine.step_budget import FixedStepBudget, StepBudget
 
 
-class Scheduler:
+class Scheduler(RemoteKVLoads):
     def __init__(
         self,
         kv_cache_manager: KVCacheManager,
@@ -181,7 +183,10 @@ class Scheduler:
 
         # Admit waiting requests only when nothing was preempted: preemption means
         # memory is short, and admitting more would only thrash.
-        while self.waiting and min(budget, prefill_budget) > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting and min(budget, prefill_budget) > 0 and not preempted
+            and len(self.running) + len(self.waiting_for_remote_kv) < self.max_num_seqs  # those join the running
+        ):
             # In arrival order, past siblings waiting for their leader's prompt.
             request = next((r for r in self.waiting if not waits_for_leader(r, self.kv.block_size)), None)
             if request is None:
@@ -321,76 +326,6 @@ class Scheduler:
         request.num_computed_tokens = num_cached
         request.num_cached_tokens = num_cached
         self.kv.record_lookup(request.num_tokens, num_cached)
-
-    def _try_start_remote_load(self, request: Request, cached: list[int]) -> bool | None:
-        """Park a request whose prompt KV (past its cached prefix) arrives asynchronously.
-        True if it was parked, None if it must but its blocks are not free, else False."""
-        if self.connector is None:
-            return False
-        num_cached = len(cached) * self.kv.block_size
-        num_external, is_async = self.connector.get_num_new_matched_tokens(request, num_cached)
-        if not is_async:
-            return False
-        block_ids = self.kv.allocate_slots(request, num_external, cached)
-        if block_ids is None:
-            return None
-        self._admit(request, num_cached)
-        self.connector.update_state_after_alloc(request, block_ids, num_external)
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.waiting_for_remote_kv[request.request_id] = request
-        return True
-
-    def _update_from_connector(self, output: KVConnectorOutput) -> list[EngineCoreOutput]:
-        assert self.connector is not None
-        self.connector.update_connector_output(output)
-        outputs: list[EngineCoreOutput] = []
-        failed = self.kv.requests_holding(output.invalid_block_ids, self.waiting_for_remote_kv)
-        first_token_ids = output.kv_connector_worker_meta.first_token_ids if output.kv_connector_worker_meta else {}
-        for request_id in output.finished_sending | output.finished_recving:
-            pending = self.pending_free.pop(request_id, None)
-            if pending is not None:
-                self._release(pending)
-        for request_id in output.finished_recving:
-            request = self.waiting_for_remote_kv.pop(request_id, None)
-            if request is None:
-                continue
-            if request_id in failed:
-                outputs.extend(self._handle_load_failure(request))
-                continue
-            outputs.extend(self._resume_after_load(request, first_token_ids.get(request_id)))
-        return outputs
-
-    def _resume_after_load(self, request: Request, first_token: int | None) -> list[EngineCoreOutput]:
-        """The prompt's KV is in place: continue from the first token the prefill sampled."""
-        if first_token is None or not 0 <= first_token < (self.vocab_size or 1 << 62):
-            return self._handle_load_failure(request)
-        request.num_computed_tokens = request.num_prompt_tokens
-        request.num_draft_computed_tokens = 0  # the draft's KV is recomputed here
-        request.kv_transfer_params = None
-        self.kv.cache_full_blocks(request)
-        request.append_output_token(first_token)
-        status = request.check_stop()
-        if status is not None:
-            self._finish(request, status)
-        else:
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-        # The first token's logprobs (and the prompt's) are the prefill worker's to report.
-        return [request_output(request, [first_token], status, None, is_first=True)]
-
-    def _handle_load_failure(self, request: Request) -> list[EngineCoreOutput]:
-        request.kv_transfer_params = None
-        if self.kv_load_failure_policy == "recompute":
-            # Start over as a local prefill: the loaded blocks hold nothing valid, and the
-            # cached prefix it shares may end where the prompt does, but its last token
-            # must now be computed (never into a shared block).
-            self.kv.free(request.request_id)
-            request.num_computed_tokens = 0
-            request.num_draft_computed_tokens = 0
-            request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
-            return []
-        return self._fail(request, "loading the prompt's KV from the prefill worker failed (kv_load_failure_policy=fail)")
 
     def _fail(self, request: Request, error: str) -> list[EngineCoreOutput]:
         """End a request (already out of its queue) with an error its caller sees."""

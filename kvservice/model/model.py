@@ -13,9 +13,7 @@ A KV connector, when given, is called around each layer through `LayerKVHooks`:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -26,6 +24,7 @@ from kvservice.model.attention import AttentionMetadata, LayerKVHooks, paged_att
 from kvservice.model.block_quant import BlockQuantWeight
 from kvservice.model.cpu_kernels import kernels_loaded
 from kvservice.model.fused_decode import run_decode_layers
+from kvservice.model.rotary import RotaryEmbedding, StepRope
 
 
 def has_native_bf16_matmul() -> bool:
@@ -109,84 +108,6 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with `rope_scaling` applied (default, linear, llama3, freq_factors)."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv_freq
-    rope_type = scaling.get("rope_type", scaling.get("type"))
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low_freq_factor = float(scaling["low_freq_factor"])
-        high_freq_factor = float(scaling["high_freq_factor"])
-        old_context_len = float(scaling["original_max_position_embeddings"])
-        low_freq_wavelen = old_context_len / low_freq_factor
-        high_freq_wavelen = old_context_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    if rope_type == "freq_factors":
-        # One divisor per frequency, precomputed: a GGUF's `rope_freqs` tensor (Llama 3's scaling).
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
-    raise ValueError(
-        f"rope_scaling: unsupported rope_type {rope_type!r} (supported: default, linear, llama3, freq_factors)"
-    )
-
-
-@dataclass(slots=True)
-class StepRope:
-    """One step's rotary angles: the positions [T], and per-token cos/sin [T, 1, D] unless fused."""
-
-    positions: torch.Tensor
-    cos_table: torch.Tensor  # float32 [max_positions, head_dim]
-    sin_table: torch.Tensor
-    cos: torch.Tensor | None  # [T, 1, head_dim] in the model's dtype; None with the kernel
-    sin: torch.Tensor | None
-
-    def apply_(self, qkv: torch.Tensor, num_heads: int, head_dim: int) -> None:
-        """Rotate the first `num_heads` heads of qkv [T, (Hq + 2 Hkv) * D] (q's, then k's) in place."""
-        if self.cos is None or self.sin is None:
-            torch.ops.kvservice.rotary_(qkv, self.positions, self.cos_table, self.sin_table, num_heads, head_dim)
-            return
-        x = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
-        x.copy_(x * self.cos + _rotate_half(x) * self.sin)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to `max_positions`, looked up per token."""
-
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        # Computed, never loaded: on the CPU even while the model is built on the meta device
-        # (where these ops would pull in torch's meta registrations, about a second).
-        with torch.device("cpu"):
-            inv_freq = rope_inv_freq(cfg)
-            freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool) -> StepRope:
-        if fused:
-            return StepRope(positions, self.cos, self.sin, None, None)
-        # [T, 1, head_dim]: broadcast over heads.
-        cos, sin = self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-        return StepRope(positions, self.cos, self.sin, cos, sin)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -202,9 +123,8 @@ class Attention(nn.Module):
         o_bias = bias and cfg.architecture == "llama"
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
 
-    def forward(
-        self, x: torch.Tensor, rope: StepRope, kv_layer: torch.Tensor, meta: AttentionMetadata, pause: Pause | None = None
-    ) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, rope: StepRope, kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q, k, v of `x`, k and v written to the cache, attention over it: [T, Hq * D], before `o_proj`."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         rope.apply_(qkv, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -213,10 +133,7 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(kv_layer, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, kv_layer, meta)
-        if pause is not None:
-            pause("o_proj")
-        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+        return paged_attention(q, k, v, kv_layer, meta).view(num_tokens, self.num_heads * self.head_dim)
 
 
 class MLP(nn.Module):
@@ -225,12 +142,6 @@ class MLP(nn.Module):
         # gate and up in one matmul (the loader concatenates the checkpoint's two).
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, pause: Pause | None = None) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        if pause is not None:
-            pause("down_proj")
-        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -316,7 +227,29 @@ class CausalLM(nn.Module):
         connector: LayerKVHooks | None = None,
         pause: Pause | None = None,
     ) -> torch.Tensor:
-        """`pause` runs between the per-op path's matmuls, told what runs next: a worker sharing its cores hands them over there (`CoreLease`)."""
+        """Final hidden states [T, hidden]. `pause` runs at each of `forward_steps`' pause points,
+        told what runs next: a worker sharing its cores hands them over there (`CoreLease`)."""
+        steps = self.forward_steps(input_ids, positions, kv_caches, meta, connector)
+        while True:
+            try:
+                next_op = next(steps)
+            except StopIteration as done:
+                return done.value
+            if pause is not None:
+                pause(next_op)
+
+    @torch.inference_mode()
+    def forward_steps(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        connector: LayerKVHooks | None = None,
+    ) -> Generator[str, None, torch.Tensor]:
+        """`forward`, resumable: yields between the per-op path's matmuls (four points a layer,
+        each the name of what runs next, the same in every layer) and returns the final hidden
+        states. Whoever drives it may run other steps between two resumptions (`PromptLane`)."""
         h = self.model.embed_tokens(input_ids)  # the residual stream [T, hidden], updated in place
         fused = h.device.type == "cpu" and kernels_loaded()
         rope = self.rotary(positions, h.dtype, fused)
@@ -326,18 +259,20 @@ class CausalLM(nn.Module):
         if decode_layers is not None:
             return run_decode_layers(decode_layers, h, x, (positions, rope.cos_table, rope.sin_table), kv_caches, meta, connector)
         for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
             if connector is not None:
                 connector.wait_for_layer_load(i)
-            attn_out = layer.self_attn(x, rope, kv_caches[i], meta, pause)
+            attended = attn.attend(x, rope, kv_caches[i], meta)
             if connector is not None:
                 connector.save_kv_layer(i, kv_caches[i], meta)
-            x = _add_rms_norm_(h, attn_out, layer.post_attention_layernorm, fused)
-            if pause is not None:
-                pause("mlp")
+            yield "o_proj"
+            x = _add_rms_norm_(h, attn.o_proj(attended), layer.post_attention_layernorm, fused)
+            yield "mlp"
+            gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+            yield "down_proj"
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x = _add_rms_norm_(h, layer.mlp(x, pause), next_norm, fused)
-            if pause is not None:
-                pause("attention")
+            x = _add_rms_norm_(h, mlp.down_proj(nn.functional.silu(gate) * up), next_norm, fused)
+            yield "attention"
         return x
 
     def _decode_layer_args(self, meta: AttentionMetadata) -> list[tuple[Any, ...]] | None:

@@ -55,6 +55,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> list[argparse.Actio
         ),
         group.add_argument("--num-speculative-tokens", type=int, default=0, help="draft tokens proposed per step (default: 0, off)"),
         group.add_argument(
+            "--prompt-lane", action=argparse.BooleanOptionalAction, default=True,
+            help="colocated worker: compute prompts in batches of up to --max-num-batched-tokens, a slice of time before "
+            "each decode step (so decode steps start about --step-target-ms apart), instead of in chunks inside the decode "
+            "steps, which run them slower; prefill and decode workers ignore it (default: on)",
+        ),
+        group.add_argument(
             "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
             help="keep full KV blocks keyed by their tokens and reuse them for prompts that share a prefix "
             "(a decode worker then pulls only the blocks it lacks) (default: on)",
@@ -80,6 +86,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         draft_model=args.draft_model,
         num_speculative_tokens=args.num_speculative_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
+        prompt_lane=args.prompt_lane,
     )
 
 

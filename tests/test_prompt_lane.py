@@ -1,0 +1,132 @@
+"""The prompt lane: a colocated engine computes prompts in batches, in slices between its decode
+steps, and samples the same tokens as one that chunks them into its steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvservice.config import EngineConfig
+from kvservice.connector.base import KVConnectorBase
+from kvservice.core.request import RequestStatus
+from kvservice.core.sampling_params import SamplingParams
+from kvservice.engine.engine import LLMEngine, RequestOutput
+from kvservice.worker.prompt_lane import PromptLane
+from tests.recording_connector import RecordingConnector
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = [list(range(1, 40)), list(range(50, 53)), list(range(7, 100)), [5, 6]]
+
+
+def _engine(prompt_lane: bool, **config: object) -> LLMEngine:
+    return LLMEngine("tiny", EngineConfig(num_blocks=64, prompt_lane=prompt_lane, **config))  # type: ignore[arg-type]
+
+
+def _run(engine: LLMEngine) -> dict[str, RequestOutput]:
+    finished: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+    return finished
+
+
+def _lane(engine: LLMEngine) -> PromptLane:
+    assert engine.prompt_lane is not None
+    return engine.prompt_lane
+
+
+def test_the_lane_samples_what_chunked_prompts_sample_and_frees_every_block() -> None:
+    results = []
+    for prompt_lane in (False, True):
+        # A chunk of 8 prompt tokens a step: without the lane, the prompts run in many mixed steps.
+        engine = _engine(prompt_lane, max_prefill_tokens_with_decode=8, step_target_ms=None)
+        engine.add_request(PROMPTS[0], GREEDY, "first")
+        engine.step()  # "first" decodes while the others' prompts run
+        for i, prompt in enumerate(PROMPTS[1:]):
+            engine.add_request(prompt, GREEDY, f"r{i}")
+        results.append({rid: out.token_ids for rid, out in _run(engine).items()})
+        assert engine.num_free_blocks == engine.num_blocks
+    chunked, laned = results
+    assert laned == chunked and all(len(tokens) == 10 for tokens in laned.values())
+
+
+def test_the_lane_computes_a_prompt_past_its_cached_prefix() -> None:
+    engine = _engine(True)
+    engine.add_request(PROMPTS[2], GREEDY, "a")
+    first = _run(engine)["a"]
+    engine.add_request(PROMPTS[2][:80] + [1, 2, 3], GREEDY, "b")  # shares 5 full blocks with "a"
+    [(rid, second)] = _run(engine).items()
+    assert second.num_cached_tokens == 80
+    reference = _engine(False, enable_prefix_caching=False)
+    reference.add_request(PROMPTS[2][:80] + [1, 2, 3], GREEDY, "b")
+    assert second.token_ids == _run(reference)["b"].token_ids
+    assert first.num_cached_tokens == 0 and _lane(engine).num_batches == 2
+
+
+def test_decode_steps_run_between_the_slices_of_a_prompt_batch() -> None:
+    engine = _engine(True, step_target_ms=0.001)  # every slice runs one op
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), "decoding")
+    engine.step()
+    engine.step()
+    assert engine.scheduler.requests["decoding"].status is RequestStatus.RUNNING
+    engine.add_request(PROMPTS[2], GREEDY, "prompt")
+    lane = _lane(engine)
+    tokens_while_in_lane = 0
+    while engine.scheduler.requests["prompt"].status is not RequestStatus.RUNNING:
+        outputs = engine.step()
+        tokens_while_in_lane += sum(len(o.new_token_ids) for o in outputs if o.request_id == "decoding")
+    # The tiny model's 2 layers: 4 pause points each, a slice per op, a decode step after each slice.
+    assert lane.num_batches == 2 and lane.num_slices >= 2 + 2 * 4
+    assert tokens_while_in_lane >= 2 * 4
+
+
+def test_aborting_a_request_in_the_lane_frees_its_blocks_once_the_forward_is_done() -> None:
+    engine = _engine(True, step_target_ms=0.001, max_num_batched_tokens=64)
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), "decoding")
+    engine.step()
+    engine.step()
+    engine.add_request(PROMPTS[2][:60], GREEDY, "in_flight")
+    engine.add_request(PROMPTS[2][10:60], GREEDY, "queued")  # past the lane's 64 tokens: the next batch
+    engine.step()  # both admitted to the lane
+    engine.step()  # the first slice of "in_flight"'s batch
+    lane = _lane(engine)
+    assert [p.request_id for p in lane._batch] == ["in_flight"] and [p.request_id for p in lane._queue] == ["queued"]
+    free_before = engine.num_free_blocks
+    num_queued_blocks = len(engine.scheduler.kv.get_block_ids("queued"))
+    assert engine.abort_request("queued") and engine.abort_request("in_flight")
+    outputs = engine.step()
+    assert {o.request_id for o in outputs if o.finish_reason == "abort"} == {"queued", "in_flight"}
+    assert num_queued_blocks == 4 and engine.num_free_blocks == free_before + 4  # the queued one's; the other's wait
+    assert "in_flight" in engine.scheduler.pending_free
+    while lane.has_work:
+        engine.step()
+    engine.step()
+    assert not engine.scheduler.pending_free
+    _run(engine)
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_requests_that_need_every_prompt_position_skip_the_lane() -> None:
+    engine = _engine(True)
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0, ignore_eos=True)
+    engine.add_request(PROMPTS[0], params, "p")
+    [out] = _run(engine).values()
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(PROMPTS[0]) - 1
+    assert _lane(engine).num_batches == 0
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, n=2, ignore_eos=True), "n")
+    assert len(_run(engine)) == 1
+    assert _lane(engine).num_batches == 1  # the leader; its sibling shares the leader's prompt blocks
+
+
+def test_the_lane_keeps_to_max_num_seqs() -> None:
+    engine = _engine(True, max_num_seqs=2)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(prompt, GREEDY, f"r{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert len(engine.scheduler.running) + len(engine.scheduler.waiting_for_remote_kv) <= 2
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_the_lane_is_a_colocated_engines_own() -> None:
+    connector: KVConnectorBase = RecordingConnector()
+    with pytest.raises(ValueError, match="prompt_lane"):
+        LLMEngine("tiny", EngineConfig(num_blocks=64, prompt_lane=True), connector)
