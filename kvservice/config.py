@@ -173,6 +173,14 @@ DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE = 64
 # gave 155-161 tok/s with a p99 forward of 169-182 ms; a 100 / 120 / 150 ms target 147 / 155 /
 # 166 tok/s, p99 123 / 142 / 176 ms. 120: the same throughput, vLLM's p99 inter-token latency here.
 DEFAULT_STEP_TARGET_MS = 120.0
+# What a server aims at (`serve`, `launch`), whose streams see the step time as their inter-token
+# latency: there a colocated worker's prompts run in its prompt lane and a prefill worker's beside
+# its decode worker through the core lease, both in slices of what a decode step leaves of the
+# target, at a big batch's speed whatever the slice. bench peers at concurrency 16, 2 Zen 4 cores,
+# one run each: colocated 120 / 100 / 80 / 60 ms -> 178 / 180 / 180 / 167 tok/s, p99 ITL 122 / 97 /
+# 83 / 68 ms; 1P1D 120 / 80 -> 161 / 163 tok/s, p99 131 / 92 ms. Below 80 the slices beside a 45 ms
+# decode step of 16 requests get too short for the prompts to keep the decode batch full.
+SERVING_STEP_TARGET_MS = 80.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,8 @@ steps, and samples the same tokens as one that chunks them into its steps."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from kvservice.config import EngineConfig
@@ -11,6 +13,7 @@ from kvservice.core.request import RequestStatus
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine, RequestOutput
 from kvservice.worker.prompt_lane import PromptLane
+from server import worker_server
 from tests.recording_connector import RecordingConnector
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -130,3 +133,16 @@ def test_the_lane_is_a_colocated_engines_own() -> None:
     connector: KVConnectorBase = RecordingConnector()
     with pytest.raises(ValueError, match="prompt_lane"):
         LLMEngine("tiny", EngineConfig(num_blocks=64, prompt_lane=True), connector)
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--role", "both"], True),
+    (["--role", "both", "--no-prompt-lane"], False),
+    (["--role", "prefill"], False),
+    (["--role", "decode"], False),
+])
+def test_a_colocated_server_computes_prompts_in_its_lane_unless_told_not_to(argv: list[str], expected: bool) -> None:
+    parser = argparse.ArgumentParser()
+    worker_server.add_arguments(parser)
+    args = parser.parse_args([*argv, "--model", "tiny"])
+    assert worker_server.engine_config(args).prompt_lane is expected

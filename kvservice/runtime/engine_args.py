@@ -13,6 +13,7 @@ from kvservice.config import (
     DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE,
     DEFAULT_STEP_TARGET_MS,
     KV_LOAD_FAILURE_POLICIES,
+    SERVING_STEP_TARGET_MS,
     SUPPORTED_DTYPES,
     EngineConfig,
 )
@@ -37,11 +38,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> list[argparse.Actio
             f"(default: {DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE})",
         ),
         group.add_argument(
-            "--step-target-ms", type=float, default=DEFAULT_STEP_TARGET_MS, metavar="MS",
-            help="while requests decode, add prompt tokens to a step until its time, predicted from the steps "
-            "measured so far, reaches this: the inter-token latency arriving prompts may cause, whatever the "
-            "machine; 0: the fixed --max-prefill-tokens-with-decode, which also serves until steps are measured "
-            f"(default: {DEFAULT_STEP_TARGET_MS:g})",
+            "--step-target-ms", type=float, default=SERVING_STEP_TARGET_MS, metavar="MS",
+            help="the time from one decode step to the next that arriving prompts may cause, whatever the machine: "
+            "a colocated worker's prompt lane and a prefill worker sharing the cores (--core-lease) compute prompts "
+            "for what a decode step leaves of it; a step that chunks prompts adds prompt tokens until its time, "
+            "predicted from the steps measured so far, reaches it; 0: chunks of the fixed "
+            f"--max-prefill-tokens-with-decode, and {DEFAULT_STEP_TARGET_MS:g} ms for the lane and the lease "
+            f"(default: {SERVING_STEP_TARGET_MS:g})",
         ),
         group.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)"),
         group.add_argument(
