@@ -76,7 +76,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "step gets all of them as soon as it starts, a prefill step hands them over between its matmuls so decode steps "
         "start about --step-target-ms apart; two workers that "
         "compute on the same cores at once stall each other (`kvservice launch` gives one to its workers; a --device cuda "
-        "worker ignores it; an empty FILE: off; default: off)",
+        "worker ignores it; default: off)",
     )
     parser.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default: 30)")
     add_log_level_argument(parser)
@@ -147,7 +147,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
             auth_token=args.auth_token, use_shared_memory=args.kv_transfer_shm,
         )
     core_lease = None
-    if args.core_lease and config.device == "cpu":  # what a GPU worker shares is not its cores
+    if args.core_lease is not None and config.device == "cpu":  # what a GPU worker shares is not its cores
         role = LeaseRole.YIELDING if args.role == "prefill" else LeaseRole.FIRST
         core_lease = CoreLease(args.core_lease, role, (config.step_target_ms or DEFAULT_STEP_TARGET_MS) / 1000)
     engine = await asyncio.to_thread(LLMEngine, args.model, config, connector, core_lease)

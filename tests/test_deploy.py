@@ -37,9 +37,8 @@ COMPOSE = DOCKER / "docker-compose.yml"
 COMPOSE_GPU = DOCKER / "docker-compose.gpu.yml"
 WORKERS = ("prefill", "decode")
 PORT_FLAGS = ("--port", "--http-port", "--metrics-port")
-_VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+_VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
 _READY = re.compile(r"listening on (\S+:\d+)")
-WORKER_VOLUME = "/home/kvservice/.cache/kvservice"  # the workers' shared volume in their containers
 START_TIMEOUT = 120.0
 BENCH_TIMEOUT = 240.0
 
@@ -50,7 +49,7 @@ def load_yaml(path: pathlib.Path) -> dict[str, Any]:
 
 
 def interpolate(value: str) -> str:
-    """Compose's `${NAME:-default}` and `${NAME-default}`, with the environment this test runs in unset."""
+    """Compose's `${NAME:-default}`, with the environment this test runs in unset."""
     return _VARIABLE.sub(lambda m: m.group(2) or "", value)
 
 
@@ -237,12 +236,9 @@ class Service:
         self.log = log
 
 
-def local_command(command: list[str], addresses: dict[str, str], volume_dir: pathlib.Path | None = None) -> list[str]:
-    """A compose command as a local process: `addresses` maps "service:port" to where it listens here,
-    `volume_dir` stands for the workers' shared volume."""
+def local_command(command: list[str], addresses: dict[str, str]) -> list[str]:
+    """A compose command as a local process: `addresses` maps "service:port" to where it listens here."""
     argv = [interpolate(a) for a in command]
-    if volume_dir is not None:
-        argv = [a.replace(WORKER_VOLUME, str(volume_dir)) for a in argv]
     out: list[str] = []
     for i, arg in enumerate(argv):
         previous = argv[i - 1] if i else ""
@@ -262,7 +258,7 @@ async def start(name: str, command: list[str], addresses: dict[str, str], log_di
     log = log_dir / f"{name}.log"
     with log.open("wb") as stderr:
         process = await asyncio.create_subprocess_exec(
-            *local_command(command, addresses, log_dir), stdout=asyncio.subprocess.PIPE, stderr=stderr,
+            *local_command(command, addresses), stdout=asyncio.subprocess.PIPE, stderr=stderr,
             env={**os.environ, **WORKER_ENV}, start_new_session=True,
         )
     service = Service(name, process, log)
@@ -332,10 +328,6 @@ async def test_compose_commands_serve_together_and_bench_exits_0(tmp_path: pathl
                 assert chunk.request_id == request_id
                 token_ids += chunk.token_ids
         assert len(token_ids) == 6
-        # Prefill and decode workers take turns on the host's cores through one lease file in their volume.
-        for name in WORKERS:
-            assert interpolate(services[name]["command"][-1]) == f"--core-lease={WORKER_VOLUME}/core.lease", services[name]["command"]
-        assert (tmp_path / "core.lease").is_file()
 
         bench = await asyncio.create_subprocess_exec(
             *local_command(services["bench"]["command"], addresses), stdout=asyncio.subprocess.PIPE,
