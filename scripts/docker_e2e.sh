@@ -30,8 +30,12 @@ export TORCH_INDEX_URL=          # pip's own configured index, in the build and 
 export KVSERVICE_MODEL=smollm2
 PY=$ROOT/.venv/bin/python
 KVSERVICE=$ROOT/.venv/bin/kvservice
-LOAD_RATE=${LOAD_RATE:-1}      # requests/s during the scale test
-LOAD_PROMPTS=${LOAD_PROMPTS:-150}
+# Requests/s during the scale test: enough that the first decode worker usually has one in
+# flight, else kv-aware routing rightly keeps sending every request to the worker that caches
+# the chat template's prefix and the new one gets none (at 1/s, once the image had its C++
+# kernels, a request took ~0.25 s and the new worker served none in 300 s).
+LOAD_RATE=${LOAD_RATE:-4}
+LOAD_PROMPTS=${LOAD_PROMPTS:-600}
 START_TIMEOUT=${START_TIMEOUT:-600}
 
 say() { echo "docker_e2e.sh: $*" >&2; }
