@@ -211,6 +211,12 @@ class EngineConfig:
     # time between its decode steps, instead of chunks inside them (`kvservice.worker.prompt_lane`).
     prompt_lane: bool = False
 
+    @property
+    def step_target_s(self) -> float:
+        """The step target in seconds; without one (chunks of the fixed cap), the default's, which
+        the prompt lane and the core lease still slice by."""
+        return (self.step_target_ms or DEFAULT_STEP_TARGET_MS) / 1000
+
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

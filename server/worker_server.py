@@ -20,7 +20,7 @@ import sys
 import grpc
 import torch
 
-from kvservice.config import DEFAULT_STEP_TARGET_MS, EngineConfig
+from kvservice.config import EngineConfig
 from kvservice.connector.base import KVConnectorBase
 from kvservice.connector.decode_connector import DecodeKVConnector
 from kvservice.connector.kv_transfer_service import KVTransferService
@@ -149,7 +149,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
     core_lease = None
     if args.core_lease is not None and config.device == "cpu":  # what a GPU worker shares is not its cores
         role = LeaseRole.YIELDING if args.role == "prefill" else LeaseRole.FIRST
-        core_lease = CoreLease(args.core_lease, role, (config.step_target_ms or DEFAULT_STEP_TARGET_MS) / 1000)
+        core_lease = CoreLease(args.core_lease, role, config.step_target_s)
     engine = await asyncio.to_thread(LLMEngine, args.model, config, connector, core_lease)
     kv_events = KVEventPublisher(asyncio.get_running_loop(), config.block_size, engine.kv_hash_seed)
     async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_queued_requests, kv_events_sink=kv_events.publish)

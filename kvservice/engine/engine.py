@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvservice.config import DEFAULT_STEP_TARGET_MS, EngineConfig, ModelConfig
+from kvservice.config import EngineConfig, ModelConfig
 from kvservice.connector.base import KVConnectorBase
 from kvservice.core.block_hash import hash_seed
 from kvservice.core.block_pool import KVCacheEvent
@@ -30,7 +30,7 @@ from kvservice.loading.model_loader import LoadedModel, load_model
 from kvservice.loading.tokenizer import Tokenizer
 from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.structured.grammar import GrammarCompiler
-from kvservice.worker.core_lease import CoreLease, LeaseRole
+from kvservice.worker.core_lease import CoreLease, LeaseRole, prompt_quantum
 from kvservice.worker.draft_proposer import DraftProposer
 from kvservice.worker.grammar_masks import GrammarMasks
 from kvservice.worker.model_runner import ModelRunner
@@ -118,7 +118,6 @@ class LLMEngine:
                 self.loaded.model, self.kv_caches, config.block_size, self.loaded.device, config.max_num_batched_tokens
             )
             connector = PromptLaneConnector(self.prompt_lane)
-        self._step_target_s = (config.step_target_ms or DEFAULT_STEP_TARGET_MS) / 1000
         self._last_step_s = 0.0  # the last step that computed: what a lane slice leaves of the target
         self.connector = connector
         if connector is not None:
@@ -279,10 +278,7 @@ class LLMEngine:
         lane = self.prompt_lane
         if lane is None or not lane.has_work:
             return
-        if not self.scheduler.running:
-            lane.run(None)
-        else:
-            lane.run(max(self._step_target_s - self._last_step_s, self._step_target_s / 4))
+        lane.run(prompt_quantum(self.config.step_target_s, self._last_step_s) if self.scheduler.running else None)
 
     def _turn(self, scheduler_output: SchedulerOutput) -> contextlib.AbstractContextManager[None]:
         """The cores for a step that computes (a step that only reports connector progress needs none)."""

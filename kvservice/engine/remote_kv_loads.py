@@ -10,6 +10,7 @@ request's tokens but the last, which the next step computes, its logits giving t
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from kvservice.connector.base import KVConnectorBase
 from kvservice.core.kv_cache_manager import KVCacheManager
@@ -29,13 +30,15 @@ class RemoteKVLoads:
     waiting_for_remote_kv: dict[str, Request]
     pending_free: dict[str, Request]
 
-    def _admit(self, request: Request, num_cached: int) -> None: ...
+    if TYPE_CHECKING:  # the scheduler's own, declared for the type checker only
 
-    def _finish(self, request: Request, status: RequestStatus) -> None: ...
+        def _admit(self, request: Request, num_cached: int) -> None: ...
 
-    def _release(self, request: Request) -> None: ...
+        def _finish(self, request: Request, status: RequestStatus) -> None: ...
 
-    def _fail(self, request: Request, error: str) -> list[EngineCoreOutput]: ...
+        def _release(self, request: Request) -> None: ...
+
+        def _fail(self, request: Request, error: str) -> list[EngineCoreOutput]: ...
 
     def _try_start_remote_load(self, request: Request, cached: list[int]) -> bool | None:
         """Park a request whose prompt KV (past its cached prefix) arrives asynchronously.
@@ -70,9 +73,11 @@ class RemoteKVLoads:
             if request is None:
                 continue
             first_token = first_token_ids.get(request_id)
-            if first_token is None and self.connector.supplies_first_token(request):
-                first_token = -1  # the prefill's token never came: a failed load
-            if request_id in failed or (first_token is not None and not 0 <= first_token < (self.vocab_size or 1 << 62)):
+            if first_token is None:  # a prompt lane's load brings none; a prefill's that never came failed
+                is_bad = self.connector.supplies_first_token(request)
+            else:
+                is_bad = not 0 <= first_token < (self.vocab_size or 1 << 62)
+            if request_id in failed or is_bad:
                 outputs.extend(self._handle_load_failure(request))
                 continue
             outputs.extend(self._resume_after_load(request, first_token))
@@ -86,17 +91,17 @@ class RemoteKVLoads:
         request.num_draft_computed_tokens = 0  # the draft's KV is recomputed here
         request.kv_transfer_params = None
         self.kv.cache_full_blocks(request)
-        if first_token is None:
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            return []
-        request.append_output_token(first_token)
-        status = request.check_stop()
+        status = None
+        if first_token is not None:
+            request.append_output_token(first_token)
+            status = request.check_stop()
         if status is not None:
             self._finish(request, status)
         else:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+        if first_token is None:
+            return []
         # The first token's logprobs (and the prompt's) are the prefill worker's to report.
         return [request_output(request, [first_token], status, None, is_first=True)]
 

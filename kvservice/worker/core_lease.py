@@ -42,6 +42,13 @@ _HANDOVER_POLL_S = 0.0002
 _HELD = (BlockingIOError, PermissionError)  # a non-blocking lock that another process holds: EAGAIN or EACCES
 
 
+def prompt_quantum(target_s: float, decode_step_s: float) -> float:
+    """How long prompts may compute before the next decode step: what the last decode step left
+    of `target_s`, at least a quarter of it, so a slow decode step cannot starve the prompts
+    (the lease's quantum, and a colocated worker's prompt-lane slice)."""
+    return max(target_s - decode_step_s, target_s / 4)
+
+
 class LeaseRole(enum.Enum):
     FIRST = "first"  # decode: its steps take the turn as soon as it is handed over
     YIELDING = "yielding"  # prefill: hands the turn over at pause points
@@ -101,7 +108,7 @@ class CoreLease:
         fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _TURN)
         self._held_since = time.monotonic()
         self._last_pause = (next_op, self._held_since)
-        self.quantum_s = max(self.target_s - (self._held_since - now), self.target_s / 4)
+        self.quantum_s = prompt_quantum(self.target_s, self._held_since - now)
 
     def others_wait(self) -> bool:
         """Whether a decode step waits for the turn."""
