@@ -38,10 +38,11 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64, as bench peers)")
     parser.add_argument("--chunk", type=int, default=None, help="--max-prefill-tokens-with-decode (default: the engine's)")
     parser.add_argument("--step-target-ms", type=float, default=None, help="size the chunks by measured step time (default: the engine's)")
+    parser.add_argument("--prompt-lane", action="store_true", help="prompts in the colocated server's lane (serve's default), not in chunks")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    knobs = {"max_prefill_tokens_with_decode": args.chunk, "step_target_ms": args.step_target_ms}
+    knobs = {"max_prefill_tokens_with_decode": args.chunk, "step_target_ms": args.step_target_ms, "prompt_lane": args.prompt_lane or None}
     llm = LLM("smollm2", **{name: value for name, value in knobs.items() if value is not None})
     engine = llm.engine
     rng = random.Random(0)

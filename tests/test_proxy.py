@@ -35,6 +35,20 @@ class _SilentWorker(pb_grpc.WorkerServicer):
         await asyncio.Event().wait()
         yield pb.GenerateResponse()
 
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+class _Deadline:
+    """The part of a servicer context the proxy's Stats reads: the caller's time left."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def time_remaining(self) -> float:
+        return self.seconds
+
 
 @pytest_asyncio.fixture
 async def silent_worker() -> AsyncIterator[str]:
@@ -58,6 +72,24 @@ async def test_worker_calls_have_a_deadline(silent_worker: str, has_prefill: boo
                     pass
         assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert time.monotonic() - started < 10 * REQUEST_TIMEOUT_S
+    finally:
+        await prefill.close()
+        await decode.close()
+
+
+async def test_stats_answer_within_the_callers_deadline_when_workers_do_not(silent_worker: str) -> None:
+    """A worker whose Stats hangs, and one dropped (its channel closed) while the proxy
+    gathers: the proxy still answers in time, listing both without their stats."""
+    prefill, decode = WorkerPool([silent_worker]), WorkerPool([silent_worker, silent_worker])
+    try:
+        await asyncio.gather(prefill.check_all(5.0), decode.check_all(5.0))
+        await decode.workers[1].channel.close()
+        service = ProxyService(prefill, decode, request_timeout=REQUEST_TIMEOUT_S)
+        started = time.monotonic()
+        stats = await service.Stats(pb.StatsRequest(), _Deadline(2.0))  # type: ignore[arg-type]
+        assert time.monotonic() - started < 2.0
+        assert [w.role for w in stats.workers] == ["prefill", "decode", "decode"]
+        assert all(w.address == silent_worker and not w.HasField("stats") for w in stats.workers)
     finally:
         await prefill.close()
         await decode.close()

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 _CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 # Errors that suggest the worker is gone: stop routing to it until its health check passes.
 _WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE}
+_WORKER_STATS_TIMEOUT_S = 2.0  # a worker's Stats answer within a proxy's Stats
 # Deadline of one request's calls to its workers (the whole decode stream included).
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 # Dynamo's default: one move to another decode worker per request.
@@ -282,13 +283,20 @@ class ProxyService(StreamingGenerationService):
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         stats = pb.StatsResponse(role="proxy")
 
+        # Each worker gets a share of the caller's deadline: a slow or just-dropped worker (its
+        # channel closed while this gathers) leaves its entry without stats instead of the
+        # whole answer missing the caller's deadline.
+        remaining = context.time_remaining()
+        timeout = _WORKER_STATS_TIMEOUT_S if remaining is None else max(0.1, min(_WORKER_STATS_TIMEOUT_S, remaining / 2))
+
         async def one(worker: WorkerHandle, role: str) -> pb.WorkerStats:
             entry = pb.WorkerStats(
                 address=worker.address, num_outstanding=worker.num_outstanding, is_healthy=worker.is_healthy,
                 num_indexed_blocks=len(worker.kv_index.block_hashes), state=worker.state, role=role,
             )
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                entry.stats.CopyFrom(await worker.stub.Stats(pb.StatsRequest(), timeout=5, metadata=worker.metadata))
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.TimeoutError):
+                call = worker.stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=worker.metadata)
+                entry.stats.CopyFrom(await asyncio.wait_for(call, timeout))
             return entry
 
         members = [(w, "prefill") for w in self.prefill.workers] + [(w, "decode") for w in self.decode.workers]
