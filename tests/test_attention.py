@@ -1,4 +1,5 @@
-"""The C++ decode attention kernel equals the PyTorch path on random paged caches.
+"""The C++ attention kernels equal the PyTorch path: decode on random paged caches, and a
+fresh prompt over its own keys against causal SDPA.
 
 The reference is the fallback the engine uses when the kernel cannot be built: the
 context gathered through the block table, then masked matmuls (in float32 here, so
@@ -109,3 +110,62 @@ def test_kernel_rejects_a_block_id_outside_the_cache(kernel) -> None:
     table[1, 0] = kv_layer.shape[1]
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernel(q, kv_layer, table, meta.decode_starts, 1, HEAD_DIM**-0.5)
+
+
+# ---------------------------------------------------------------- a fresh prompt over its own keys
+
+
+def _sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention in float64: [T, H, D] in, [T, Hq, D] out."""
+    q64, k64, v64 = (t.double().transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return out.squeeze(0).transpose(0, 1)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (8, 2, 128), (4, 2, 32)])
+@pytest.mark.parametrize("num_tokens", [1, 7, 33, 130, 300])
+def test_prompt_attention_matches_causal_sdpa(kernel, num_heads: int, num_kv_heads: int, head_dim: int, num_tokens: int) -> None:
+    """Views of one fused qkv projection, as the model passes them (rows strided, heads contiguous)."""
+    gen = torch.Generator().manual_seed(num_tokens * 31 + head_dim)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen) * 2
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim), v.view(num_tokens, num_kv_heads, head_dim)
+    out = torch.ops.kvservice.prompt_attention(q, k, v, head_dim**-0.5)
+    assert out.shape == (num_tokens, num_heads, head_dim)
+    exact = _sdpa_reference(q, k, v)
+    # As close to the float64 result as torch's own float32 SDPA is (within 4x, or 1e-5).
+    sdpa32 = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, enable_gqa=num_heads != num_kv_heads
+    )[0].transpose(0, 1)
+    tolerance = max(1e-5, 4 * float((sdpa32.double() - exact).abs().max()))
+    torch.testing.assert_close(out.double(), exact, atol=tolerance, rtol=0)
+
+
+def test_paged_attention_runs_fresh_prompts_through_the_kernel_as_sdpa_would(kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's path: two fresh prompts and a decode request in one step, with the prompt
+    kernel (where it is the faster path) and with SDPA, agree."""
+    gen = torch.Generator().manual_seed(5)
+    num_blocks = 32
+    kv_layer = torch.randn(2, num_blocks, BLOCK_SIZE, 3, HEAD_DIM, generator=gen)
+    items = [BatchItem([1], 40, [0, 1, 2]), BatchItem(list(range(50)), 0, [3, 4, 5, 6]), BatchItem(list(range(21)), 0, [7, 8])]
+    meta = build_batch(items, BLOCK_SIZE, torch.device("cpu")).attn
+    assert len(meta.prefills) == 2 and all(span.context_slots is None for span in meta.prefills)
+    num_tokens = 1 + 50 + 21
+    q = torch.randn(num_tokens, 9, HEAD_DIM, generator=gen)
+    k, v = torch.randn(num_tokens, 3, HEAD_DIM, generator=gen), torch.randn(num_tokens, 3, HEAD_DIM, generator=gen)
+    monkeypatch.setattr("kvservice.model.attention.prompt_attention_is_faster", lambda: True)
+    with_kernel = paged_attention(q, k, v, kv_layer, meta)
+    monkeypatch.setattr("kvservice.model.attention.prompt_attention_is_faster", lambda: False)
+    with_sdpa = paged_attention(q, k, v, kv_layer, meta)
+    torch.testing.assert_close(with_kernel, with_sdpa, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(with_kernel[1:], with_sdpa[1:])  # the prompts really took the other path
+
+
+def test_prompt_attention_rejects_a_layout_it_cannot_read(kernel) -> None:
+    q = torch.randn(8, 4, HEAD_DIM)
+    k = torch.randn(8, HEAD_DIM, 2).transpose(1, 2)  # heads not contiguous
+    with pytest.raises(RuntimeError, match="contiguous row"):
+        torch.ops.kvservice.prompt_attention(q, k, k, 0.125)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.kvservice.prompt_attention(q.double(), k.double(), k.double(), 0.125)

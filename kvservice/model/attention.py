@@ -8,7 +8,9 @@ A step's flat batch holds the decode group first: requests with the same small n
 of new tokens Q (one for plain decoding, 1 + K when verifying K draft tokens), batched
 into one attention call; then one span per prefill chunk. The decode group reads the
 cache in place through its block table with the C++ kernel when it is loaded
-(`kvservice.model.cpu_kernels`), else gathers its contexts and attends with matmuls.
+(`kvservice.model.cpu_kernels`), else gathers its contexts and attends with matmuls. A
+prompt's first chunk attends to its own keys with the C++ `prompt_attention` where that
+beats SDPA (AVX-512), later chunks to the cached context with SDPA.
 `AttentionMetadata` is built once per step and shared by every layer.
 """
 
@@ -20,7 +22,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvservice.model.cpu_kernels import kernels_loaded
+from kvservice.model.cpu_kernels import kernels_loaded, prompt_attention_is_faster
 
 
 @dataclass(slots=True)
@@ -81,7 +83,12 @@ def paged_attention(
         else:
             assert meta.decode_context_slots is not None and meta.decode_mask is not None
             out[:num_decode] = _decode_attention(q[:num_decode], flat, meta.decode_context_slots, meta.decode_mask)
+    own_keys_kernel = q.dtype == torch.float32 and q.device.type == "cpu" and prompt_attention_is_faster()
     for span in meta.prefills:
+        if span.context_slots is None and own_keys_kernel:
+            rows = slice(span.start, span.end)
+            out[rows] = torch.ops.kvservice.prompt_attention(q[rows], k[rows], v[rows], q.shape[-1] ** -0.5)
+            continue
         q_s = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, Dh]
         if span.context_slots is None:
             k_s = k[span.start : span.end].transpose(0, 1).unsqueeze(0)

@@ -2,6 +2,7 @@
 
 - `paged_decode_attention`: decode attention reading K/V in place through the block table.
 - `add_rms_norm_`, `rotary_`: the residual add + RMSNorm, and rotary in place, one call each.
+- `prompt_attention`: causal attention of a fresh prompt over its own keys (AVX-512 fast).
 - `block_quant_linear`: a linear layer for a few rows over GGUF block-quantized weights.
 - `decode_layer_`: a whole decoder layer of a decode step, those kernels in one call.
 
@@ -23,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "norm_rotary.cpp", "block_quant_linear.cpp", "decode_layer.cpp")]
+_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prompt_attention.cpp", "norm_rotary.cpp", "block_quant_linear.cpp", "decode_layer.cpp")]
 _HEADERS = sorted((pathlib.Path(__file__).parent / "csrc").glob("*.h"))
 # torch caches builds by name and the sources' hash (not the headers': their hash joins the
 # name); bump the version when an op's schema changes.
@@ -39,6 +40,13 @@ _tried = False
 def kernels_loaded() -> bool:
     """Whether `load_cpu_kernels` has loaded the ops in this process; never builds."""
     return _is_loaded
+
+
+def prompt_attention_is_faster() -> bool:
+    """Whether `prompt_attention` beats torch's SDPA here: its loaded AVX-512 build (SmolLM2's
+    256-token prompt, a layer: ~0.8 vs ~1.3 ms on 2 Zen 4 cores). Elsewhere it runs its plain
+    C++ loops, which are correct but slower than SDPA."""
+    return _is_loaded and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def load_cpu_kernels() -> bool:
