@@ -39,11 +39,14 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=None, help="--max-prefill-tokens-with-decode (default: the engine's)")
     parser.add_argument("--step-target-ms", type=float, default=None, help="size the chunks by measured step time (default: the engine's)")
     parser.add_argument("--prompt-lane", action="store_true", help="prompts in the colocated server's lane (serve's default), not in chunks")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens a step (a lane batch) may compute (default: the engine's)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    knobs = {"max_prefill_tokens_with_decode": args.chunk, "step_target_ms": args.step_target_ms, "prompt_lane": args.prompt_lane or None}
-    llm = LLM("smollm2", **{name: value for name, value in knobs.items() if value is not None})
+    knobs = {"max_prefill_tokens_with_decode": args.chunk, "step_target_ms": args.step_target_ms, "prompt_lane": args.prompt_lane or None,
+             "max_num_batched_tokens": args.max_num_batched_tokens}
+    llm = LLM("smollm2", block_size=args.block_size, **{name: value for name, value in knobs.items() if value is not None})
     engine = llm.engine
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(PROMPT_LEN)] for _ in range(args.num_prompts)]
