@@ -13,13 +13,16 @@ from kvservice.v1 import kvservice_pb2 as pb
 
 def engine_stats(engine: LLMEngine, role: str) -> pb.StatsResponse:
     scheduler = engine.scheduler.make_stats()
+    # A colocated worker's prompt lane brings prompts' KV in through the scheduler's load path:
+    # those requests wait for their prompt to be computed here, not for KV from another worker.
+    lane_waiting = scheduler.num_waiting_for_remote_kv if engine.prompt_lane is not None else 0
     stats = pb.StatsResponse(
         role=role,
         num_blocks_total=scheduler.num_blocks_total,
         num_blocks_free=scheduler.num_blocks_free,
         num_running_requests=scheduler.num_running_requests,
-        num_waiting_requests=scheduler.num_waiting_requests,
-        num_waiting_for_remote_kv=scheduler.num_waiting_for_remote_kv,
+        num_waiting_requests=scheduler.num_waiting_requests + lane_waiting,
+        num_waiting_for_remote_kv=scheduler.num_waiting_for_remote_kv - lane_waiting,
         num_finished_requests=scheduler.num_finished_requests,
         num_aborted_requests=scheduler.num_aborted_requests,
         num_preemptions=scheduler.num_preemptions,

@@ -14,6 +14,7 @@ from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine, RequestOutput
 from kvservice.worker.prompt_lane import PromptLane
 from server import worker_server
+from server.stats import engine_stats
 from tests.recording_connector import RecordingConnector
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -62,6 +63,18 @@ def test_the_lane_computes_a_prompt_past_its_cached_prefix() -> None:
     reference.add_request(PROMPTS[2][:80] + [1, 2, 3], GREEDY, "b")
     assert second.token_ids == _run(reference)["b"].token_ids
     assert first.num_cached_tokens == 0 and _lane(engine).num_batches == 2
+
+
+def test_a_colocated_workers_stats_count_lane_prompts_as_waiting_not_as_pulling_kv() -> None:
+    engine = _engine(True, step_target_ms=0.001)  # every slice runs one op: the prompt stays in the lane
+    engine.add_request(PROMPTS[2], GREEDY, "prompt")
+    engine.step()
+    assert engine.scheduler.requests["prompt"].status is RequestStatus.WAITING_FOR_REMOTE_KV
+    stats = engine_stats(engine, "both")
+    assert (stats.num_waiting_requests, stats.num_waiting_for_remote_kv, stats.num_running_requests) == (1, 0, 0)
+    _run(engine)
+    stats = engine_stats(engine, "both")
+    assert (stats.num_waiting_requests, stats.num_waiting_for_remote_kv, stats.num_finished_requests) == (0, 0, 1)
 
 
 def test_decode_steps_run_between_the_slices_of_a_prompt_batch() -> None:
