@@ -27,6 +27,7 @@ from kvservice.server.generation import StreamingGenerationService, new_request_
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.proxy.prompt_tokens import PromptTokens
 from kvservice.server.proxy.router import Router
+from kvservice.server.proxy.stats import cluster_stats
 from kvservice.server.proxy.worker_pool import WorkerHandle, WorkerPool
 from kvservice.v1 import kvservice_pb2 as pb
 
@@ -36,7 +37,6 @@ logger = logging.getLogger(__name__)
 _CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 # Errors that suggest the worker is gone: stop routing to it until its health check passes.
 _WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE}
-_WORKER_STATS_TIMEOUT_S = 2.0  # a worker's Stats answer within a proxy's Stats
 # Deadline of one request's calls to its workers (the whole decode stream included).
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 # Dynamo's default: one move to another decode worker per request.
@@ -281,47 +281,7 @@ class ProxyService(StreamingGenerationService):
             pool.mark_unhealthy(worker, f"{error.code().name}: {error.details()}")
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        stats = pb.StatsResponse(role="proxy")
-
-        # Each worker gets a share of the caller's deadline: a slow or just-dropped worker (its
-        # channel closed while this gathers) leaves its entry without stats instead of the
-        # whole answer missing the caller's deadline.
-        remaining = context.time_remaining()
-        timeout = _WORKER_STATS_TIMEOUT_S if remaining is None else max(0.1, min(_WORKER_STATS_TIMEOUT_S, remaining / 2))
-
-        async def one(worker: WorkerHandle, role: str) -> pb.WorkerStats:
-            entry = pb.WorkerStats(
-                address=worker.address, num_outstanding=worker.num_outstanding, is_healthy=worker.is_healthy,
-                num_indexed_blocks=len(worker.kv_index.block_hashes), state=worker.state, role=role,
-            )
-            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.TimeoutError):
-                call = worker.stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=worker.metadata)
-                entry.stats.CopyFrom(await asyncio.wait_for(call, timeout))
-            return entry
-
-        members = [(w, "prefill") for w in self.prefill.workers] + [(w, "decode") for w in self.decode.workers]
-        entries = await asyncio.gather(*(one(w, role) for w, role in members))
-        stats.workers.extend(entries)
-        for entry in entries:
-            s = entry.stats
-            stats.num_blocks_total += s.num_blocks_total
-            stats.num_blocks_free += s.num_blocks_free
-            stats.num_running_requests += s.num_running_requests
-            stats.num_waiting_requests += s.num_waiting_requests
-            stats.num_waiting_for_remote_kv += s.num_waiting_for_remote_kv
-            stats.num_finished_requests += s.num_finished_requests if s.role != "prefill" else 0
-            stats.num_aborted_requests += s.num_aborted_requests
-            stats.prefix_cache.queries += s.prefix_cache.queries
-            stats.prefix_cache.hits += s.prefix_cache.hits
-            _add_transfer_stats(stats.kv_sending, s.kv_sending)
-            _add_transfer_stats(stats.kv_receiving, s.kv_receiving)
-        return stats
-
-
-def _add_transfer_stats(total: pb.KVTransferStats, part: pb.KVTransferStats) -> None:
-    for name in ("num_transfers", "num_failed_transfers", "num_chunks", "num_bytes", "num_shared_memory_bytes", "total_seconds",
-                 "staging_bytes_in_use", "staging_bytes_capacity", "num_staged_transfers"):
-        setattr(total, name, getattr(total, name) + getattr(part, name))
+        return await cluster_stats(self.prefill, self.decode, context.time_remaining())
 
 
 async def _next_or_none(stream: AsyncIterator[pb.GenerateResponse]) -> pb.GenerateResponse | None:
