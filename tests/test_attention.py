@@ -169,3 +169,25 @@ def test_prompt_attention_rejects_a_layout_it_cannot_read(kernel) -> None:
         torch.ops.kvservice.prompt_attention(q, k, k, 0.125)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.kvservice.prompt_attention(q.double(), k.double(), k.double(), 0.125)
+
+
+def test_a_long_fresh_prompt_goes_to_sdpa(kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past PROMPT_KERNEL_MAX_TOKENS SDPA is the faster path: the kernel is not called."""
+    monkeypatch.setattr("kvservice.model.attention.PROMPT_KERNEL_MAX_TOKENS", 16)
+    monkeypatch.setattr("kvservice.model.attention.prompt_attention_is_faster", lambda: True)
+    calls: list[int] = []
+    real = torch.ops.kvservice.prompt_attention
+
+    class _Ops:
+        def prompt_attention(self, q: torch.Tensor, *args: object) -> torch.Tensor:
+            calls.append(q.shape[0])
+            return real(q, *args)
+
+    monkeypatch.setattr("kvservice.model.attention.torch.ops.kvservice", _Ops(), raising=False)
+    items = [BatchItem(list(range(17)), 0, [0, 1]), BatchItem(list(range(16)), 0, [2])]
+    meta = build_batch(items, BLOCK_SIZE, torch.device("cpu")).attn
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = torch.randn(33, 4, HEAD_DIM, generator=gen), torch.randn(33, 2, HEAD_DIM, generator=gen), torch.randn(33, 2, HEAD_DIM, generator=gen)
+    out = paged_attention(q, k, v, torch.zeros(2, 4, BLOCK_SIZE, 2, HEAD_DIM), meta)
+    assert calls == [16]  # the 17-token prompt took SDPA
+    torch.testing.assert_close(out[:17].double(), _sdpa_reference(q[:17], k[:17], v[:17]), atol=1e-5, rtol=1e-5)
