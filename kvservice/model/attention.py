@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from kvservice.model.cpu_kernels import kernels_loaded, prompt_attention_is_faster
 
-
 # Up to this many tokens a fresh prompt's attention is faster in the C++ kernel than in SDPA
 # (SmolLM2, 2 Zen 4 cores: 64 tokens 0.06 vs 0.12 ms a layer, 256: 0.76 vs 1.05, 1,024: 11.3
 # vs 11.5; 2,048: 44.5 vs 40.6, where SDPA's tiling wins).
