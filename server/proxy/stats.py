@@ -16,8 +16,7 @@ from kvservice.server.proxy.worker_pool import WorkerHandle, WorkerPool
 from kvservice.v1 import kvservice_pb2 as pb
 
 WORKER_STATS_TIMEOUT_S = 2.0  # at most, for each worker's Stats
-_TRANSFER_FIELDS = ("num_transfers", "num_failed_transfers", "num_chunks", "num_bytes", "num_shared_memory_bytes", "total_seconds",
-                    "staging_bytes_in_use", "staging_bytes_capacity", "num_staged_transfers")
+_TRANSFER_FIELDS = tuple(field.name for field in pb.KVTransferStats.DESCRIPTOR.fields)  # all counters and gauges: summed
 
 
 async def cluster_stats(prefill: WorkerPool, decode: WorkerPool, time_remaining: float | None) -> pb.StatsResponse:

@@ -32,7 +32,7 @@ constexpr int64_t kQueryTile = 32;  // queries per task (and per scores buffer)
 constexpr int64_t kKeyTile = 16;    // keys per score vector
 
 struct Shapes {
-  int64_t num_tokens, num_heads, num_kv_heads, head_dim, group;
+  int64_t num_heads, head_dim, group;
   int64_t q_stride, k_stride, v_stride;  // elements between two tokens' rows
   float scale;
 };
@@ -54,10 +54,10 @@ void scores_scalar(const float* q_scaled, const float* kt, int64_t head_dim, int
 
 #if defined(__AVX512F__)
 // R queries' scores against keys [p0, p0 + 16 * C), from the transposed keys: one broadcast
-// query value and C key vectors per d, R * C sums in registers.
+// query value and C key vectors per d, R * C sums in registers. Rows of `q_scaled` are
+// head_dim floats apart, rows of `out` (the scores) `padded`.
 template <int R, int C>
-inline void score_tile(const float* q_scaled, int64_t q_ld, const float* kt, int64_t padded, int64_t head_dim,
-                       int64_t p0, float* out, int64_t out_ld) {
+inline void score_tile(const float* q_scaled, const float* kt, int64_t padded, int64_t head_dim, int64_t p0, float* out) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -65,19 +65,19 @@ inline void score_tile(const float* q_scaled, int64_t q_ld, const float* kt, int
     __m512 kv[C];
     for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kt + d * padded + p0 + 16 * c);
     for (int r = 0; r < R; ++r) {
-      const __m512 qd = _mm512_set1_ps(q_scaled[r * q_ld + d]);
+      const __m512 qd = _mm512_set1_ps(q_scaled[r * head_dim + d]);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(qd, kv[c], acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * out_ld + p0 + 16 * c, acc[r][c]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * padded + p0 + 16 * c, acc[r][c]);
 }
 
 // score_tile for n (1 to 8) rows.
 template <int C>
 inline void score_rows(int64_t n, const float* q_scaled, int64_t head_dim, const float* kt, int64_t padded, int64_t p0,
                        float* out) {
-#define KVSERVICE_SCORE(R) return score_tile<R, C>(q_scaled, head_dim, kt, padded, head_dim, p0, out, padded)
+#define KVSERVICE_SCORE(R) return score_tile<R, C>(q_scaled, kt, padded, head_dim, p0, out)
   switch (n) {
     case 1: KVSERVICE_SCORE(1);
     case 2: KVSERVICE_SCORE(2);
@@ -224,7 +224,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
   for (const at::Tensor* t : {&q, &k, &v})
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == head_dim, "each token's heads must be one contiguous row");
-  Shapes s{num_tokens, num_heads, num_kv_heads, head_dim, num_heads / num_kv_heads,
+  Shapes s{num_heads, head_dim, num_heads / num_kv_heads,
            q.stride(0), k.stride(0), v.stride(0), static_cast<float>(scale)};
   auto out = at::empty({num_tokens, num_heads, head_dim}, q.options());
   const float* q_ptr = q.data_ptr<float>();
