@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from hf_models import TOKENIZER_SENTENCES
 
+from kvservice.model.block_quant import BlockQuantWeight
+
 # Types the package can quantize (written from float weights) and types it only dequantizes
 # (written as random raw blocks).
 QUANTIZABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -266,3 +268,14 @@ def byte_level_vocab(tmp_path: pathlib.Path) -> tuple[list[str], list[int], list
     types += [3, 3]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     return tokens, types, merges
+
+
+def random_block_quant_weight(num_rows: int, num_cols: int, is_signed: bool, seed: int) -> BlockQuantWeight:
+    """A random [num_rows, num_cols] weight in the kernel's layout: Q8_0's signed 8-bit codes
+    and no mins, or Q4_1's 4-bit codes and mins; float16 scales and mins, as GGUF stores them."""
+    gen = torch.Generator().manual_seed(seed)
+    low, high = (-128, 128) if is_signed else (0, 16)
+    codes = torch.randint(low, high, (num_rows, num_cols), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(num_rows, num_cols // 32, generator=gen) * 0.01).half().float()
+    mins = torch.zeros_like(scales) if is_signed else (-torch.rand(num_rows, num_cols // 32, generator=gen) * 0.08).half().float()
+    return BlockQuantWeight.from_rows(codes, scales, mins)

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from gguf_models import GGUFSpec, random_state, write_gguf
+from gguf_models import GGUFSpec, random_block_quant_weight, random_state, write_gguf
 
 from kvservice import LLM, SamplingParams
 from kvservice.loading.gguf_loader import block_rows, gguf_block_quant_rows, gguf_model_config, gguf_state_dict, open_gguf
@@ -31,20 +31,10 @@ def kernels() -> None:
         pytest.skip("the C++ kernels did not build here (the PyTorch path serves)")
 
 
-def _random_weight(num_rows: int, num_cols: int, is_signed: bool, seed: int) -> BlockQuantWeight:
-    gen = torch.Generator().manual_seed(seed)
-    low, high = (-128, 128) if is_signed else (0, 16)  # Q8_0's codes, Q4_1's
-    codes = torch.randint(low, high, (num_rows, num_cols), generator=gen, dtype=torch.int8)
-    # float16 values, as GGUF stores them.
-    scales = (torch.rand(num_rows, num_cols // 32, generator=gen) * 0.01).half().float()
-    mins = torch.zeros_like(scales) if is_signed else (-torch.rand(num_rows, num_cols // 32, generator=gen) * 0.08).half().float()
-    return BlockQuantWeight.from_rows(codes, scales, mins)
-
-
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 6, 7, 9, 13, 16, 17, 64, 81, 300])
 @pytest.mark.parametrize(("shape", "is_signed"), [((960, 576), False), ((576, 1536), False), ((160, 288), True)])
 def test_kernel_equals_the_pytorch_formula(kernels: None, num_rows: int, shape: tuple[int, int], is_signed: bool) -> None:
-    weight = _random_weight(*shape, is_signed, seed=num_rows)
+    weight = random_block_quant_weight(*shape, is_signed, seed=num_rows)
     x = torch.randn(num_rows, shape[1], generator=torch.Generator().manual_seed(7))
     # Only the order of each dot product's additions differs: float32 rounding, nothing more.
     torch.testing.assert_close(weight.linear(x), weight.linear_reference(x), rtol=1e-5, atol=2e-5)
@@ -54,7 +44,7 @@ def test_kernel_equals_the_pytorch_formula(kernels: None, num_rows: int, shape: 
 def test_a_rows_result_is_the_same_in_every_batch_of_four_or_more_rows(kernels: None, shape: tuple[int, int], is_signed: bool) -> None:
     # Decode batches take the direct path, prompt steps the buffered one, in row blocks: every
     # row's dot products still add in the same order, so batching never changes a result.
-    weight = _random_weight(*shape, is_signed, seed=3)
+    weight = random_block_quant_weight(*shape, is_signed, seed=3)
     x = torch.randn(300, shape[1], generator=torch.Generator().manual_seed(5))
     full = weight.linear(x)
     for num_rows in (4, 5, 8, 9, 13, 16, 17, 64, 257):
@@ -67,7 +57,7 @@ def test_a_rows_result_is_the_same_in_every_batch_of_four_or_more_rows(kernels: 
 def test_bfloat16_kernel_rounds_the_float32_sum_once(
     kernels: None, num_rows: int, shape: tuple[int, int], is_signed: bool
 ) -> None:
-    weight = _random_weight(*shape, is_signed, seed=num_rows)
+    weight = random_block_quant_weight(*shape, is_signed, seed=num_rows)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(num_rows, shape[1], generator=gen).bfloat16()
     bias = torch.randn(shape[0], generator=gen).bfloat16()
@@ -83,7 +73,7 @@ def test_bfloat16_kernel_rounds_the_float32_sum_once(
 
 
 def test_float32_kernel_adds_the_bias(kernels: None) -> None:
-    weight = _random_weight(160, 288, True, seed=3)
+    weight = random_block_quant_weight(160, 288, True, seed=3)
     gen = torch.Generator().manual_seed(8)
     x, bias = torch.randn(5, 288, generator=gen), torch.randn(160, generator=gen)
     torch.testing.assert_close(weight.linear(x, bias), weight.linear_reference(x, bias), rtol=1e-5, atol=2e-5)
@@ -91,7 +81,7 @@ def test_float32_kernel_adds_the_bias(kernels: None) -> None:
 
 
 def test_kernel_takes_a_non_contiguous_input(kernels: None) -> None:
-    weight = _random_weight(64, 96, False, seed=1)
+    weight = random_block_quant_weight(64, 96, False, seed=1)
     x = torch.randn(8, 192)[:, ::2]  # not contiguous
     torch.testing.assert_close(weight.linear(x), weight.linear_reference(x), rtol=1e-5, atol=2e-5)
 
@@ -180,7 +170,7 @@ def test_kernel_splits_its_work_over_torchs_threads_with_the_same_result(kernels
     """Built with OpenMP, so at::parallel_for really runs on torch's threads (it ran on one
     when the extension was built without -fopenmp): another thread does a good share of the
     calls' work, and the output is bit for bit the one-thread result."""
-    weight = _random_weight(8192, 576, False, seed=1)  # 512 panels: many per thread
+    weight = random_block_quant_weight(8192, 576, False, seed=1)  # 512 panels: many per thread
     x = torch.randn(16, 576, generator=torch.Generator().manual_seed(2))
     threads = torch.get_num_threads()
     try:

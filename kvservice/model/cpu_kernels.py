@@ -5,6 +5,8 @@
 - `prompt_attention`: causal attention of a fresh prompt over its own keys (AVX-512 fast).
 - `block_quant_linear`: a linear layer for a few rows over GGUF block-quantized weights.
 - `decode_layer_`: a whole decoder layer of a decode step, those kernels in one call.
+- `greedy_head`: the LM head's argmax per row, exactly, mostly in 8-bit integer dot products
+  (AVX-512 VNNI; `greedy_head_supported()`).
 
 `load_cpu_kernels()` compiles the extension once per machine (torch's extension cache,
 ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) and loads it. It returns False when
@@ -24,7 +26,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prompt_attention.cpp", "norm_rotary.cpp", "block_quant_linear.cpp", "decode_layer.cpp")]
+_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prompt_attention.cpp", "norm_rotary.cpp", "block_quant_linear.cpp", "decode_layer.cpp", "greedy_head.cpp")]
 _HEADERS = sorted((pathlib.Path(__file__).parent / "csrc").glob("*.h"))
 # torch caches builds by name and the sources' hash (not the headers': their hash joins the
 # name); bump the version when an op's schema changes.

@@ -24,6 +24,8 @@ from kvservice.model.attention import AttentionMetadata, LayerKVHooks, paged_att
 from kvservice.model.block_quant import BlockQuantWeight
 from kvservice.model.cpu_kernels import kernels_loaded
 from kvservice.model.fused_decode import run_decode_layers
+from kvservice.model.greedy_head import MIN_ROWS as GREEDY_HEAD_MIN_ROWS
+from kvservice.model.greedy_head import GreedyHead
 from kvservice.model.rotary import RotaryEmbedding, StepRope
 
 
@@ -186,6 +188,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg, max_positions)
         self._decode_args: list[tuple[Any, ...]] | None = None  # built on the first decode step
+        self._greedy_head: GreedyHead | None = None  # set by prepare_for_cpu where it runs
 
     @torch.inference_mode()
     def prepare_for_cpu(self, batch_hint: int) -> None:
@@ -198,6 +201,9 @@ class CausalLM(nn.Module):
         never be read (SmolLM2: 108 MiB and 49 ms of start-up for the packed LM head).
         """
         dtype = self.model.embed_tokens.weight.dtype
+        head = self.lm_head.block_quant
+        use_greedy_head = dtype == torch.float32 and head is not None and kernels_loaded() and torch.ops.kvservice.greedy_head_supported()
+        self._greedy_head = GreedyHead.build(head) if use_greedy_head and head is not None else None
         if dtype not in (torch.float32, torch.bfloat16) or not _can_pack_weights():
             return
         widen = dtype == torch.bfloat16 and not has_native_bf16_matmul()
@@ -310,6 +316,15 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """Each row's argmax of `compute_logits(hidden)`, the same tokens, without every logit
+        (`kvservice.model.greedy_head`); None where that does not run (then compute the logits)."""
+        head = self._greedy_head
+        if head is None or hidden.shape[0] < GREEDY_HEAD_MIN_ROWS or hidden.dtype != torch.float32 or not kernels_loaded():
+            return None
+        return head.tokens(hidden)
 
 
 def _add_rms_norm_(residual: torch.Tensor, x: torch.Tensor | None, norm: RMSNorm, fused: bool) -> torch.Tensor:

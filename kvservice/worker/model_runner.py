@@ -127,6 +127,10 @@ class ModelRunner:
         rows: list[int] = []
         for i, s in sampling:
             rows.extend(batch.last_indices(i, 1 + len(s.spec_token_ids)))
+        if all(_is_plain_greedy(s) for _, s in sampling):  # the tokens alone: no logits needed
+            tokens = self.model.greedy_tokens(_select_rows(hidden, rows))
+            if tokens is not None:
+                return {s.request.request_id: [token] for (_, s), token in zip(sampling, tokens)}, {}, errors
         logits = self.model.compute_logits(_select_rows(hidden, rows))
         sampled: dict[str, list[int]] = {}
         offsets = _row_offsets([s for _, s in sampling])  # first logits row of each request
@@ -213,6 +217,12 @@ def _with_top(logprobs: TokenLogprobs, num_top: int) -> TokenLogprobs:
     if len(logprobs.top) == num_top:
         return logprobs
     return TokenLogprobs(logprobs.token_id, logprobs.logprob, logprobs.rank, logprobs.top[:num_top])
+
+
+def _is_plain_greedy(s: ScheduledRequest) -> bool:
+    """A request whose next token is the logits' argmax, and that wants nothing else of them."""
+    params = s.request.sampling_params
+    return not s.spec_token_ids and params.is_greedy and params.logprobs is None and params.structured_output is None
 
 
 def _select_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -1,0 +1,306 @@
+// The greedy LM head: each row's argmax of x W^T (a block-quantized W) without every logit in
+// float32, yet the token block_quant_linear's logits would give, exactly.
+//
+// A decode step of 16 requests spends ~5 ms of ~40 in SmolLM2's LM head (16 x 576 x 49,152 in
+// float32 FMAs, at the matmul's peak). A greedy request needs only the largest logit. So:
+//  1. x is rounded to 8-bit integers per block of 32 (x ~ s * q), and every logit estimated
+//     with integer dot products (AVX-512 VNNI: 64 multiply-adds an instruction, 4x float32's),
+//     together with a bound on the estimate's error: |x - s q| <= r per block (measured, not
+//     assumed), times each block's sum of |weights|, plus the float32 rounding of both sums.
+//  2. Only the logits whose bound reaches the largest lower bound can be the maximum; their
+//     panels (16 outputs) are computed in float32 as block_quant_linear computes them for 4 or
+//     more rows (each sum over k in order, from zero, with the same FMAs), and the largest of
+//     those wins, the first of equals as torch.argmax. So the token is the one the full
+//     logits give, bit for bit, for batches of 4 or more rows.
+// A row with a value that is not finite gets -1: the caller computes its logits in full.
+//
+// Registered as torch.ops.kvservice.greedy_head(x, vnni_codes, code_offset, codes, scales,
+// mins, abs_sums) -> int64 [M]:
+//   x           [M, K] float32, contiguous
+//   vnni_codes  uint8 [P, K / 4, 16, 4]: code + code_offset, 4 consecutive k per output
+//   code_offset 128 for signed 8-bit codes (Q8_0), 0 for 4-bit ones
+//   codes, scales, mins: the weight as block_quant_linear takes it (kvservice.model.block_quant)
+//   abs_sums    float32 [P, K / 32, 16]: sum over each block of |scale * code| + |min|, rounded up
+// `greedy_head_supported()`: whether this build and CPU run it (AVX-512 with VNNI).
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "thread_pool.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;
+constexpr int64_t kBlock = 32;
+constexpr int64_t kRowGroup = 8;  // rows whose integer sums share each loaded weight vector
+
+// x in 8-bit blocks: x[i] ~ scale * q[i] within `error` (per block), with what each block adds
+// to a logit's bound and to its estimate besides the integer dot product.
+struct QuantizedRows {
+  std::vector<int8_t> q;            // [M, K]
+  std::vector<float> scale;         // [M, K / 32]
+  std::vector<int32_t> offset_sum;  // [M, K / 32]: code_offset * sum of q, taken off the dot product
+  std::vector<float> scaled_sum;    // [M, K / 32]: scale * sum of q, the mins' share
+  std::vector<float> slack;         // [M, K / 32]: per unit of a block's abs_sums, the bound
+  std::vector<char> finite;         // [M]
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t m_size, int64_t k_size, int64_t code_offset) {
+  const int64_t blocks = k_size / kBlock;
+  QuantizedRows rows;
+  rows.q.resize(m_size * k_size);
+  rows.scale.resize(m_size * blocks);
+  rows.offset_sum.resize(m_size * blocks);
+  rows.scaled_sum.resize(m_size * blocks);
+  rows.slack.resize(m_size * blocks);
+  rows.finite.assign(m_size, 1);
+  // The float32 roundings of the exact logit (K FMAs in a row) and of the estimate (a few per
+  // block), each within K' * 2^-24 of the sum of |x| * |w| <= sum over blocks of max|x| *
+  // abs_sums; 4x that for margin.
+  const double rounding = 4.0 * static_cast<double>(k_size + 4 * blocks + 16) * std::ldexp(1.0, -24);
+  for (int64_t r = 0; r < m_size; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * k_size + b * kBlock;
+      int8_t* qb = rows.q.data() + r * k_size + b * kBlock;
+      float largest = 0.f;
+      for (int64_t i = 0; i < kBlock; ++i) largest = std::max(largest, std::fabs(xb[i]));
+      const int64_t at = r * blocks + b;
+      if (!std::isfinite(largest)) {
+        rows.finite[r] = 0;
+        largest = 0.f;
+      }
+      float scale = 0.f;
+      int32_t sum = 0;
+      double error = 0.0;
+      if (largest > 0.f) {
+        scale = largest / 127.f;
+        const float inverse = 127.f / largest;
+        for (int64_t i = 0; i < kBlock; ++i) {
+          const float q = std::max(-127.f, std::min(127.f, std::nearbyint(xb[i] * inverse)));
+          qb[i] = static_cast<int8_t>(q);
+          sum += static_cast<int32_t>(q);
+          // scale * q has at most 32 significant bits: exact in double, and so is the difference.
+          error = std::max(error, std::fabs(static_cast<double>(xb[i]) - static_cast<double>(scale) * q));
+        }
+      } else {
+        std::fill(qb, qb + kBlock, 0);
+      }
+      rows.scale[at] = scale;
+      rows.offset_sum[at] = static_cast<int32_t>(code_offset) * sum;
+      rows.scaled_sum[at] = scale * static_cast<float>(sum);
+      rows.slack[at] = static_cast<float>((error * (1.0 + 1e-6) + rounding * 1.01 * largest) * (1.0 + 1e-6));
+    }
+  }
+  return rows;
+}
+
+#if defined(__AVX512F__)
+
+inline __m512 load_half16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Estimates and bounds of one panel's 16 logits for R rows: the panel's largest upper bound
+// (estimate + bound) in `upper` (a row's are num_panels apart), and each row's largest lower
+// bound (estimate - bound) so far in lower_max.
+template <int R>
+__attribute__((target("avx512f,avx512vnni"))) void estimate_panel(
+    const QuantizedRows& rows, int64_t r0, int64_t k_size, const uint8_t* vnni, const at::Half* scales,
+    const at::Half* mins, const float* abs_sums, float* upper, int64_t num_panels, float* lower_max) {
+  const int64_t blocks = k_size / kBlock;
+  const int32_t* q32 = reinterpret_cast<const int32_t*>(rows.q.data()) + r0 * k_size / 4;  // 4 codes of x a lane
+  const int64_t row_words = k_size / 4;
+  const float* scale = rows.scale.data() + r0 * blocks;
+  const int32_t* offset_sum = rows.offset_sum.data() + r0 * blocks;
+  const float* scaled_sum = rows.scaled_sum.data() + r0 * blocks;
+  const float* slack = rows.slack.data() + r0 * blocks;
+  __m512 estimate[R], bound[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) estimate[r] = bound[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i dot[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < kBlock / 4; ++g) {
+      const __m512i w = _mm512_loadu_si512(vnni + (b * kBlock / 4 + g) * 64);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(q32[r * row_words + b * kBlock / 4 + g]));
+      }
+    }
+    const __m512 d = load_half16(scales + b * kPanel), m = load_half16(mins + b * kPanel);
+    const __m512 t = _mm512_loadu_ps(abs_sums + b * kPanel);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = r * blocks + b;
+      const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(offset_sum[at]));
+      estimate[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(d, _mm512_set1_ps(scale[at])), estimate[r]);
+      estimate[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(scaled_sum[at]), estimate[r]);
+      bound[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(slack[at]), bound[r]);
+    }
+  }
+  const __m512 margin = _mm512_set1_ps(1.f + 1e-4f);  // the bound's own float32 sums
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512 widened = _mm512_mul_ps(bound[r], margin);
+    upper[(r0 + r) * num_panels] = _mm512_reduce_max_ps(_mm512_add_ps(estimate[r], widened));
+    lower_max[r0 + r] = std::max(lower_max[r0 + r], _mm512_reduce_max_ps(_mm512_sub_ps(estimate[r], widened)));
+  }
+}
+
+void estimate_rows(int64_t num_rows, const QuantizedRows& rows, int64_t r0, int64_t k_size, const uint8_t* vnni,
+                   const at::Half* scales, const at::Half* mins, const float* abs_sums, float* upper, int64_t num_panels,
+                   float* lower_max) {
+#define KVSERVICE_ESTIMATE(R) \
+  return estimate_panel<R>(rows, r0, k_size, vnni, scales, mins, abs_sums, upper, num_panels, lower_max)
+  switch (num_rows) {
+    case 1: KVSERVICE_ESTIMATE(1);
+    case 2: KVSERVICE_ESTIMATE(2);
+    case 3: KVSERVICE_ESTIMATE(3);
+    case 4: KVSERVICE_ESTIMATE(4);
+    case 5: KVSERVICE_ESTIMATE(5);
+    case 6: KVSERVICE_ESTIMATE(6);
+    case 7: KVSERVICE_ESTIMATE(7);
+    default: KVSERVICE_ESTIMATE(8);
+  }
+#undef KVSERVICE_ESTIMATE
+}
+
+// One panel's 16 logits for one row in float32, as block_quant_linear's in-order sums make them:
+// weight = scale * code + min (each rounded), then one FMA per k from zero.
+void exact_panel(const float* x, int64_t k_size, bool packed, const uint8_t* codes, const at::Half* scales,
+                 const at::Half* mins, float* out) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t b = 0; b < k_size / kBlock; ++b) {
+    const __m512 d = load_half16(scales + b * kPanel), m = load_half16(mins + b * kPanel);
+    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += 2) {
+      __m512 w0, w1;
+      if (packed) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k / 2 * kPanel));
+        const __m128i low = _mm_set1_epi8(0x0F);
+        w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)));
+        w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
+      } else {
+        w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kPanel))));
+        w1 = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (k + 1) * kPanel))));
+      }
+      w0 = _mm512_add_ps(_mm512_mul_ps(d, w0), m);
+      w1 = _mm512_add_ps(_mm512_mul_ps(d, w1), m);
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), w0, acc);
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k + 1]), w1, acc);
+    }
+  }
+  _mm512_storeu_ps(out, acc);
+}
+
+#endif
+
+bool greedy_head_supported() {
+#if defined(__AVX512F__)
+  return __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& vnni_codes, int64_t code_offset, const at::Tensor& codes,
+                       const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& abs_sums) {
+  TORCH_CHECK(greedy_head_supported(), "greedy_head needs AVX-512 with VNNI (greedy_head_supported())");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be a contiguous float32 [M, K] tensor");
+  const int64_t m_size = x.size(0), k_size = x.size(1);
+  TORCH_CHECK(k_size % kBlock == 0, "K must be a multiple of 32");
+  TORCH_CHECK(vnni_codes.scalar_type() == at::kByte && vnni_codes.is_contiguous() && vnni_codes.dim() == 4 &&
+                  vnni_codes.size(1) == k_size / 4 && vnni_codes.size(2) == kPanel && vnni_codes.size(3) == 4,
+              "vnni_codes must be a contiguous uint8 [P, K / 4, 16, 4] tensor");
+  const int64_t num_panels = vnni_codes.size(0), blocks = k_size / kBlock;
+  const bool packed = codes.scalar_type() == at::kByte;
+  TORCH_CHECK(codes.is_contiguous() && codes.dim() == 3 && codes.size(0) == num_panels &&
+                  codes.size(1) == (packed ? k_size / 2 : k_size) && codes.size(2) == kPanel &&
+                  (packed || codes.scalar_type() == at::kChar),
+              "codes must be block_quant_linear's [P, K / 2, 16] uint8 or [P, K, 16] int8 tensor");
+  TORCH_CHECK(code_offset == (packed ? 0 : 128), "code_offset: 128 for 8-bit codes, 0 for 4-bit ones");
+  for (const at::Tensor* t : {&scales, &mins}) {
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == num_panels &&
+                    t->size(1) == blocks && t->size(2) == kPanel,
+                "scales and mins must be contiguous float16 [P, K / 32, 16] tensors");
+  }
+  TORCH_CHECK(abs_sums.scalar_type() == at::kFloat && abs_sums.is_contiguous() && abs_sums.sizes() == scales.sizes(),
+              "abs_sums must be a contiguous float32 [P, K / 32, 16] tensor");
+  auto tokens = at::full({m_size}, -1, x.options().dtype(at::kLong));
+#if defined(__AVX512F__)
+  if (m_size == 0) return tokens;
+  const float* x_ptr = x.data_ptr<float>();
+  const QuantizedRows rows = quantize_rows(x_ptr, m_size, k_size, code_offset);
+  const uint8_t* vnni = vnni_codes.data_ptr<uint8_t>();
+  const uint8_t* code_ptr = static_cast<const uint8_t*>(codes.data_ptr());
+  const at::Half* scale_ptr = scales.data_ptr<at::Half>();
+  const at::Half* min_ptr = mins.data_ptr<at::Half>();
+  const float* abs_ptr = abs_sums.data_ptr<float>();
+  const int64_t panel_code_bytes = packed ? k_size / 2 * kPanel : k_size * kPanel;
+  // 1. Each panel's largest upper bound, and each row's largest lower bound (per thread, then merged).
+  std::vector<float> upper(m_size * num_panels);
+  std::vector<float> lower_max(m_size, -std::numeric_limits<float>::infinity());
+  std::mutex merge;
+  kvservice::parallel_for(num_panels, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> lower(m_size, -std::numeric_limits<float>::infinity());
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t r0 = 0; r0 < m_size; r0 += kRowGroup) {
+        estimate_rows(std::min(kRowGroup, m_size - r0), rows, r0, k_size, vnni + p * (k_size / 4) * 64,
+                      scale_ptr + p * blocks * kPanel, min_ptr + p * blocks * kPanel, abs_ptr + p * blocks * kPanel,
+                      upper.data() + p, num_panels, lower.data());
+      }
+    }
+    std::lock_guard<std::mutex> lock(merge);
+    for (int64_t r = 0; r < m_size; ++r) lower_max[r] = std::max(lower_max[r], lower[r]);
+  });
+  // 2. Per row, the panels holding a logit that may be the largest, in float32; the largest wins.
+  int64_t* token_ptr = tokens.data_ptr<int64_t>();
+  kvservice::parallel_for(m_size, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float logits[kPanel];
+    for (int64_t r = begin; r < end; ++r) {
+      if (!rows.finite[r]) continue;
+      const float threshold = lower_max[r];
+      const float* row_upper = upper.data() + r * num_panels;
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t best_index = -1;
+      for (int64_t p = 0; p < num_panels; ++p) {
+        if (!(row_upper[p] >= threshold)) continue;
+        exact_panel(x_ptr + r * k_size, k_size, packed, code_ptr + p * panel_code_bytes, scale_ptr + p * blocks * kPanel,
+                    min_ptr + p * blocks * kPanel, logits);
+        for (int64_t n = 0; n < kPanel; ++n) {
+          if (logits[n] > best || best_index < 0) {  // the first of equals stays
+            best = logits[n];
+            best_index = p * kPanel + n;
+          }
+        }
+      }
+      token_ptr[r] = std::isfinite(best) ? best_index : -1;
+    }
+  });
+#endif
+  return tokens;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvservice, m) {
+  m.def("greedy_head_supported() -> bool");
+  m.def("greedy_head(Tensor x, Tensor vnni_codes, int code_offset, Tensor codes, Tensor scales, Tensor mins, "
+        "Tensor abs_sums) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvservice, CPU, m) { m.impl("greedy_head", &greedy_head); }
+TORCH_LIBRARY_IMPL(kvservice, CatchAll, m) { m.impl("greedy_head_supported", &greedy_head_supported); }
