@@ -33,10 +33,12 @@ def run_decode_layers(
     head_dim = layer_args[0][-1]
     step = (*rope_tables, meta.slot_mapping, meta.decode_block_table,
             meta.decode_starts, num_queries, head_dim**-0.5)
+    last = len(layer_args) - 1
     for i, args in enumerate(layer_args):
         if connector is not None:
             connector.wait_for_layer_load(i)
-        x = torch.ops.kvservice.decode_layer_(h, x, *args, kv_caches[i], *step)
+        next_kv = kv_caches[i + 1] if i < last else None  # its first rows get prefetched
+        x = torch.ops.kvservice.decode_layer_(h, x, *args, kv_caches[i], *step, next_kv)
         if connector is not None:
             connector.save_kv_layer(i, kv_caches[i], meta)
     return x

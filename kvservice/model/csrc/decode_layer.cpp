@@ -9,6 +9,7 @@
 //   x        [T, H]   input_layernorm(residual), as the previous layer's call returned it
 //   *_w      each weight's (codes, scales, mins) of kvservice.model.block_quant
 //   kv_layer          [2, num_blocks, block_size, Hkv, D]; this step's K/V are written at slot_mapping
+//   next_kv_layer     the next layer's cache (none for the last): attention starts prefetching its rows
 // returns next_norm(residual): the next layer's input (or the final norm's output).
 
 #include <ATen/ATen.h>
@@ -30,7 +31,7 @@ at::Tensor decode_layer_(at::Tensor residual, const at::Tensor& x, at::TensorLis
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor kv_layer,
                          const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
                          const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& starts,
-                         int64_t num_queries, double scale) {
+                         int64_t num_queries, double scale, const c10::optional<at::Tensor>& next_kv_layer) {
   const int64_t num_tokens = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(block_table.size(0) * num_queries == num_tokens, "every token must be a decode query");
   // Attention: qkv, rotary on q and k, this step's K/V into the cache, attention over the cache.
@@ -42,7 +43,7 @@ at::Tensor decode_layer_(at::Tensor residual, const at::Tensor& x, at::TensorLis
   flat.select(0, 0).index_copy_(0, slot_mapping, k);
   flat.select(0, 1).index_copy_(0, slot_mapping, v);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads, head_dim}).contiguous();
-  at::Tensor attn = kvservice::paged_decode_attention(q, kv_layer, block_table, starts, num_queries, scale);
+  at::Tensor attn = kvservice::paged_decode_attention(q, kv_layer, block_table, starts, num_queries, scale, next_kv_layer);
   at::Tensor attn_out = linear(attn.view({num_tokens, q_size}), o_w, o_bias);
   at::Tensor h = kvservice::add_rms_norm_(residual, attn_out, post_norm, post_eps);
   // MLP: SwiGLU, as the Python path computes it (ATen's silu, then mul in place).
@@ -60,7 +61,8 @@ TORCH_LIBRARY_FRAGMENT(kvservice, m) {
       "decode_layer_(Tensor(a!) residual, Tensor x, Tensor[] qkv_w, Tensor? qkv_bias, Tensor[] o_w, Tensor? o_bias, "
       "Tensor[] gate_up_w, Tensor[] down_w, Tensor post_norm, float post_eps, Tensor next_norm, float next_eps, "
       "int num_heads, int num_kv_heads, int head_dim, Tensor(b!) kv_layer, Tensor positions, Tensor cos_table, "
-      "Tensor sin_table, Tensor slot_mapping, Tensor block_table, Tensor starts, int num_queries, float scale) -> Tensor");
+      "Tensor sin_table, Tensor slot_mapping, Tensor block_table, Tensor starts, int num_queries, float scale, "
+      "Tensor? next_kv_layer=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvservice, CPU, m) { m.impl("decode_layer_", &decode_layer_); }

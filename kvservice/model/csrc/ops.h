@@ -13,7 +13,9 @@ at::Tensor add_rms_norm_(at::Tensor residual, const c10::optional<at::Tensor>& x
                          double eps);
 void rotary_(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
              int64_t num_heads, int64_t head_dim);
+// next_kv_layer: the next layer's cache, whose rows of these requests it starts prefetching.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_table,
-                                  const at::Tensor& starts, int64_t num_queries, double scale);
+                                  const at::Tensor& starts, int64_t num_queries, double scale,
+                                  const c10::optional<at::Tensor>& next_kv_layer = c10::nullopt);
 
 }  // namespace kvservice

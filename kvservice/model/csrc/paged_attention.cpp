@@ -342,8 +342,11 @@ void decode_group_avx512(const float* q, const float* kv, const int64_t* table, 
 }
 #endif
 
+// next_kv_layer: the next layer's cache (kv_layer's shape), or none. Each thread's last request
+// then prefetches the next layer's rows of its first one, which nothing else would.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_table,
-                                  const at::Tensor& starts, int64_t num_queries, double scale) {
+                                  const at::Tensor& starts, int64_t num_queries, double scale,
+                                  const c10::optional<at::Tensor>& next_kv_layer) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B * Q, Hq, D] tensor");
   TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(0) == 2 && kv_layer.is_contiguous(),
               "kv_layer must be a contiguous [2, num_blocks, block_size, Hkv, D] tensor");
@@ -371,6 +374,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
     }
   }
   const int64_t v_offset = kv_layer.stride(0);
+  const bool has_next = next_kv_layer.has_value() && next_kv_layer->defined();
+  TORCH_CHECK(!has_next || (next_kv_layer->sizes() == kv_layer.sizes() && next_kv_layer->is_contiguous() &&
+                            next_kv_layer->scalar_type() == kv_layer.scalar_type()),
+              "next_kv_layer must be a contiguous tensor of kv_layer's shape and dtype");
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* q_ptr = q.data_ptr<scalar_t>();
@@ -393,15 +400,21 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
         const int64_t block_bytes = block_size * num_kv_heads * head_dim * static_cast<int64_t>(sizeof(float));
         const char* k_base = reinterpret_cast<const char*>(kv_ptr);
         const char* v_base = k_base + v_offset * static_cast<int64_t>(sizeof(float));
+        const char* next_k_base = has_next ? static_cast<const char*>(next_kv_layer->data_ptr()) : nullptr;
+        const char* next_v_base = has_next ? next_k_base + v_offset * static_cast<int64_t>(sizeof(float)) : nullptr;
         for (int64_t task = begin; task < end; ++task) {
           const int64_t b = task / per_request, h = whole ? 0 : task / splits % num_kv_heads, s = task % splits;
           const int64_t offset = b * num_queries * num_heads * head_dim;
-          BlockLines next_k, next_v;  // whole requests: the next this thread computes, prefetched meanwhile
-          if (whole && task + 1 < end) {
-            const int64_t* next_table = table + (b + 1) * max_blocks;
-            const int64_t next_blocks = (start_ptr[b + 1] + num_queries + block_size - 1) / block_size;
-            next_k = BlockLines(k_base, next_table, next_blocks, block_bytes);
-            next_v = BlockLines(v_base, next_table, next_blocks, block_bytes);
+          // Whole requests: the next this thread computes, prefetched meanwhile (after its last,
+          // its first in the next layer: the same threads take the same requests there).
+          BlockLines next_k, next_v;
+          const bool last = task + 1 == end;
+          if (whole && (!last || has_next)) {
+            const int64_t next = last ? begin : b + 1;
+            const int64_t* next_table = table + next * max_blocks;
+            const int64_t next_blocks = (start_ptr[next] + num_queries + block_size - 1) / block_size;
+            next_k = BlockLines(last ? next_k_base : k_base, next_table, next_blocks, block_bytes);
+            next_v = BlockLines(last ? next_v_base : v_base, next_table, next_blocks, block_bytes);
           }
           kernel(reinterpret_cast<const float*>(q_ptr + offset), reinterpret_cast<const float*>(kv_ptr),
                  table + b * max_blocks, start_ptr[b], num_queries, group, h, whole ? num_kv_heads : h + 1,
@@ -448,13 +461,21 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
 
 namespace kvservice {
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_table,
-                                  const at::Tensor& starts, int64_t num_queries, double scale) {
-  return ::paged_decode_attention(q, kv_layer, block_table, starts, num_queries, scale);
+                                  const at::Tensor& starts, int64_t num_queries, double scale,
+                                  const c10::optional<at::Tensor>& next_kv_layer) {
+  return ::paged_decode_attention(q, kv_layer, block_table, starts, num_queries, scale, next_kv_layer);
 }
 }  // namespace kvservice
+
+namespace {
+at::Tensor paged_decode_attention_op(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_table,
+                                     const at::Tensor& starts, int64_t num_queries, double scale) {
+  return ::paged_decode_attention(q, kv_layer, block_table, starts, num_queries, scale, c10::nullopt);
+}
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvservice, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_layer, Tensor block_table, Tensor starts, int num_queries, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvservice, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(kvservice, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention_op); }
