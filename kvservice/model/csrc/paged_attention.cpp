@@ -32,6 +32,48 @@
 
 namespace {
 
+// The cache lines of one request's K (or V) blocks, prefetched into L2 a few at a time while
+// the request before it computes. From DRAM the kernel alone overlapped little of its memory
+// traffic with its arithmetic (SmolLM2, 16 requests of 320 tokens, 30 layers, 2 Zen 4 cores:
+// 14 ms, against ~6 ms for a plain read of those rows and ~5.5 ms for the kernel on rows
+// already in the caches). Prefetching the next request's rows spread over this one's loops
+// (a few lines per query head of a key tile, per value row): 14.0-14.7 -> 11.1-12.4 ms. Into
+// L1 instead (T0) it gained nothing, and issued in bursts of ~200 lines neither: the lines
+// must arrive at about the rate the work consumes them. The AVX2 kernel (a task per query head)
+// prefetches the next request a share per task: 15.1-15.5 -> 11.8-12.2 ms there.
+class BlockLines {
+ public:
+  static constexpr int64_t kLine = 64;
+
+  BlockLines() = default;
+  // num_blocks blocks of block_bytes each, block j at base + table[j] * block_bytes; of their
+  // lines, the share `part` of `parts` (a request's tasks each take one).
+  BlockLines(const char* base, const int64_t* table, int64_t num_blocks, int64_t block_bytes, int64_t part = 0,
+             int64_t parts = 1)
+      : base_(base), table_(table), block_bytes_(block_bytes), lines_per_block_(block_bytes / kLine),
+        next_(num_blocks * (block_bytes / kLine) * part / parts),
+        end_(num_blocks * (block_bytes / kLine) * (part + 1) / parts) {}
+
+  int64_t size() const { return end_ - next_; }
+
+  // Prefetch the next `count` lines (or what is left) into L2.
+  void issue(int64_t count) {
+    const int64_t last = std::min(next_ + count, end_);
+    while (next_ < last) {
+      const int64_t block = next_ / lines_per_block_, offset = next_ % lines_per_block_;
+      const int64_t run = std::min(lines_per_block_ - offset, last - next_);
+      const char* p = base_ + table_[block] * block_bytes_ + offset * kLine;
+      for (int64_t i = 0; i < run; ++i) __builtin_prefetch(p + i * kLine, 0, 1);
+      next_ += run;
+    }
+  }
+
+ private:
+  const char* base_ = nullptr;
+  const int64_t* table_ = nullptr;
+  int64_t block_bytes_ = 0, lines_per_block_ = 1, next_ = 0, end_ = 0;
+};
+
 #if defined(__AVX2__) && defined(__FMA__)
 using kvservice::exp_nonpositive;
 #endif
@@ -123,7 +165,8 @@ template <int D8>
 void decode_one_avx2(const float* q, const float* kv, const int64_t* table, int64_t start, int64_t num_queries,
                      int64_t group, int64_t g_begin, int64_t g_end, int64_t head, int64_t num_heads,
                      int64_t num_kv_heads, int64_t block_size, int64_t v_offset, float scale, float* out,
-                     std::vector<float>& scores, std::vector<const float*>& keys) {
+                     std::vector<float>& scores, std::vector<const float*>& keys, BlockLines& next_k,
+                     BlockLines& next_v) {
   constexpr int64_t head_dim = 8 * D8;
   const int64_t context = start + num_queries;
   const int64_t padded = (context + 7) / 8 * 8;
@@ -142,7 +185,9 @@ void decode_one_avx2(const float* q, const float* kv, const int64_t* table, int6
       __m256 qv[D8];
       for (int d = 0; d < D8; ++d) qv[d] = _mm256_mul_ps(_mm256_loadu_ps(q + row * head_dim + 8 * d), _mm256_set1_ps(scale));
       __m256 max8 = minus_inf;
+      const int64_t next_k_per_group = (next_k.size() * 8 + visible + 7) / (visible + 7);
       for (int64_t p0 = 0; p0 < visible; p0 += 8) {
+        next_k.issue(next_k_per_group);
         __m256 acc[8];
         for (int j = 0; j < 8; ++j) {
           const float* k = keys[p0 + j];
@@ -173,7 +218,9 @@ void decode_one_avx2(const float* q, const float* kv, const int64_t* table, int6
       for (float lane : lanes) total += lane;
       __m256 acc[D8];
       for (int d = 0; d < D8; ++d) acc[d] = _mm256_setzero_ps();
+      const int64_t next_v_per_row = (next_v.size() + visible - 1) / visible;
       for (int64_t p = 0; p < visible; ++p) {
+        next_v.issue(next_v_per_row);
         const float* v = keys[p] + v_offset;
         const __m256 w = _mm256_set1_ps(scores[p]);
         for (int d = 0; d < D8; ++d) acc[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * d), acc[d]);
@@ -186,44 +233,6 @@ void decode_one_avx2(const float* q, const float* kv, const int64_t* table, int6
 #endif
 
 #if defined(__AVX512F__)
-// The cache lines of one request's K (or V) blocks, prefetched into L2 a few at a time while
-// the request before it computes. From DRAM the kernel alone overlapped little of its memory
-// traffic with its arithmetic (SmolLM2, 16 requests of 320 tokens, 30 layers, 2 Zen 4 cores:
-// 14 ms, against ~6 ms for a plain read of those rows and ~5.5 ms for the kernel on rows
-// already in the caches). Prefetching the next request's rows spread over this one's loops
-// (a few lines per query head of a key tile, per value row): 14.0-14.7 -> 11.1-12.4 ms. Into
-// L1 instead (T0) it gained nothing, and issued in bursts of ~200 lines neither: the lines
-// must arrive at about the rate the work consumes them.
-class BlockLines {
- public:
-  static constexpr int64_t kLine = 64;
-
-  BlockLines() = default;
-  // num_blocks blocks of block_bytes each, block j at base + table[j] * block_bytes.
-  BlockLines(const char* base, const int64_t* table, int64_t num_blocks, int64_t block_bytes)
-      : base_(base), table_(table), block_bytes_(block_bytes), lines_per_block_(block_bytes / kLine),
-        end_(num_blocks * (block_bytes / kLine)) {}
-
-  int64_t size() const { return end_ - next_; }
-
-  // Prefetch the next `count` lines (or what is left) into L2.
-  void issue(int64_t count) {
-    const int64_t last = std::min(next_ + count, end_);
-    while (next_ < last) {
-      const int64_t block = next_ / lines_per_block_, offset = next_ % lines_per_block_;
-      const int64_t run = std::min(lines_per_block_ - offset, last - next_);
-      const char* p = base_ + table_[block] * block_bytes_ + offset * kLine;
-      for (int64_t i = 0; i < run; ++i) __builtin_prefetch(p + i * kLine, 0, 1);
-      next_ += run;
-    }
-  }
-
- private:
-  const char* base_ = nullptr;
-  const int64_t* table_ = nullptr;
-  int64_t block_bytes_ = 0, lines_per_block_ = 1, next_ = 0, end_ = 0;
-};
-
 // Lane j of the result: the sum of a[j]'s 16 lanes (pairs, then quads within 128-bit lanes, then across them).
 inline __m512 sum16x16(const __m512* a) {
   __m512 r[8];
@@ -431,13 +440,25 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
       kvservice::parallel_for(batch * num_heads, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores;
         std::vector<const float*> keys;
+        const int64_t block_bytes = block_size * num_kv_heads * head_dim * static_cast<int64_t>(sizeof(float));
+        const char* k_base = reinterpret_cast<const char*>(kv_ptr);
+        const char* v_base = k_base + v_offset * static_cast<int64_t>(sizeof(float));
         for (int64_t task = begin; task < end; ++task) {
           const int64_t b = task / num_heads, h = task % num_heads / group, g = task % group;
           const int64_t offset = b * num_queries * num_heads * head_dim;
+          // The next request this thread computes, its rows prefetched a share a task (as the AVX-512 path).
+          BlockLines next_k, next_v;
+          if ((b + 1) * num_heads < end) {
+            const int64_t* next_table = table + (b + 1) * max_blocks;
+            const int64_t next_blocks = (start_ptr[b + 1] + num_queries + block_size - 1) / block_size;
+            const int64_t part = task % num_heads;
+            next_k = BlockLines(k_base, next_table, next_blocks, block_bytes, part, num_heads);
+            next_v = BlockLines(v_base, next_table, next_blocks, block_bytes, part, num_heads);
+          }
           kernel(reinterpret_cast<const float*>(q_ptr + offset), reinterpret_cast<const float*>(kv_ptr),
                  table + b * max_blocks, start_ptr[b], num_queries, group, g, g + 1, h, num_heads, num_kv_heads,
                  block_size, v_offset, static_cast<float>(scale), reinterpret_cast<float*>(out_ptr + offset), scores,
-                 keys);
+                 keys, next_k, next_v);
         }
       });
       return;
