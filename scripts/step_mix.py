@@ -12,12 +12,9 @@ float32 GFLOP of the whole run, the effective rate to set against the matmul ker
 
 from __future__ import annotations
 
-import os
+from kvservice.runtime.process_env import exec_with_worker_env
 
-from kvservice.runtime.process_env import WORKER_ENV
-
-for _name, _value in WORKER_ENV.items():  # as `kvservice serve` runs; set before torch loads
-    os.environ.setdefault(_name, _value)
+exec_with_worker_env()  # as `kvservice serve` runs: the malloc tunables and OpenMP's policy, from the start
 
 import argparse
 import collections

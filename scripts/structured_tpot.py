@@ -10,14 +10,9 @@ token (mask fill, apply, accept) at that batch: the issue's target is at most 1.
 
 from __future__ import annotations
 
-import os
+from kvservice.runtime.process_env import exec_with_worker_env
 
-from kvservice.runtime.process_env import WORKER_ENV
-
-# As `kvservice serve` runs: OpenMP threads that spin long after each region take the cores
-# from the kernels' own pool (a decode step then measured up to 2x slower). Set before torch loads.
-for _name, _value in WORKER_ENV.items():
-    os.environ.setdefault(_name, _value)
+exec_with_worker_env()  # as `kvservice serve` runs: the malloc tunables and OpenMP's policy, from the start
 
 import argparse
 import json
