@@ -74,6 +74,19 @@ class BlockLines {
   int64_t block_bytes_ = 0, lines_per_block_ = 1, next_ = 0, end_ = 0;
 };
 
+// Each request's K and V blocks in one layer's float32 cache, as BlockLines to prefetch.
+struct RequestBlocks {
+  const char* k_base;  // the layer's [2, num_blocks, block_size, Hkv, D] tensor
+  int64_t v_offset_bytes, block_bytes, block_size, num_queries, max_blocks;
+  const int64_t* table;   // [B, max_blocks]
+  const int64_t* starts;  // [B]
+
+  BlockLines lines(int64_t b, bool values, int64_t part = 0, int64_t parts = 1) const {
+    const int64_t num_blocks = (starts[b] + num_queries + block_size - 1) / block_size;
+    return BlockLines(k_base + (values ? v_offset_bytes : 0), table + b * max_blocks, num_blocks, block_bytes, part, parts);
+  }
+};
+
 #if defined(__AVX2__) && defined(__FMA__)
 using kvservice::exp_nonpositive;
 #endif
@@ -387,6 +400,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
   TORCH_CHECK(!has_next || (next_kv_layer->sizes() == kv_layer.sizes() && next_kv_layer->is_contiguous() &&
                             next_kv_layer->scalar_type() == kv_layer.scalar_type()),
               "next_kv_layer must be a contiguous tensor of kv_layer's shape and dtype");
+  const int64_t v_offset_bytes = v_offset * kv_layer.element_size();
+  const int64_t block_bytes = block_size * num_kv_heads * head_dim * kv_layer.element_size();
+  const RequestBlocks this_layer{static_cast<const char*>(kv_layer.data_ptr()), v_offset_bytes, block_bytes, block_size,
+                                 num_queries, max_blocks, table, start_ptr};
+  RequestBlocks next_layer = this_layer;
+  if (has_next) next_layer.k_base = static_cast<const char*>(next_kv_layer->data_ptr());
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* q_ptr = q.data_ptr<scalar_t>();
@@ -406,11 +425,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
       kvservice::parallel_for(batch * per_request, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores;
         std::vector<const float*> tokens;
-        const int64_t block_bytes = block_size * num_kv_heads * head_dim * static_cast<int64_t>(sizeof(float));
-        const char* k_base = reinterpret_cast<const char*>(kv_ptr);
-        const char* v_base = k_base + v_offset * static_cast<int64_t>(sizeof(float));
-        const char* next_k_base = has_next ? static_cast<const char*>(next_kv_layer->data_ptr()) : nullptr;
-        const char* next_v_base = has_next ? next_k_base + v_offset * static_cast<int64_t>(sizeof(float)) : nullptr;
         for (int64_t task = begin; task < end; ++task) {
           const int64_t b = task / per_request, h = whole ? 0 : task / splits % num_kv_heads, s = task % splits;
           const int64_t offset = b * num_queries * num_heads * head_dim;
@@ -419,11 +433,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
           BlockLines next_k, next_v;
           const bool last = task + 1 == end;
           if (whole && (!last || has_next)) {
-            const int64_t next = last ? begin : b + 1;
-            const int64_t* next_table = table + next * max_blocks;
-            const int64_t next_blocks = (start_ptr[next] + num_queries + block_size - 1) / block_size;
-            next_k = BlockLines(last ? next_k_base : k_base, next_table, next_blocks, block_bytes);
-            next_v = BlockLines(last ? next_v_base : v_base, next_table, next_blocks, block_bytes);
+            const RequestBlocks& cache = last ? next_layer : this_layer;
+            next_k = cache.lines(last ? begin : b + 1, false);
+            next_v = cache.lines(last ? begin : b + 1, true);
           }
           kernel(reinterpret_cast<const float*>(q_ptr + offset), reinterpret_cast<const float*>(kv_ptr),
                  table + b * max_blocks, start_ptr[b], num_queries, group, h, whole ? num_kv_heads : h + 1,
@@ -440,20 +452,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
       kvservice::parallel_for(batch * num_heads, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores;
         std::vector<const float*> keys;
-        const int64_t block_bytes = block_size * num_kv_heads * head_dim * static_cast<int64_t>(sizeof(float));
-        const char* k_base = reinterpret_cast<const char*>(kv_ptr);
-        const char* v_base = k_base + v_offset * static_cast<int64_t>(sizeof(float));
         for (int64_t task = begin; task < end; ++task) {
           const int64_t b = task / num_heads, h = task % num_heads / group, g = task % group;
           const int64_t offset = b * num_queries * num_heads * head_dim;
           // The next request this thread computes, its rows prefetched a share a task (as the AVX-512 path).
           BlockLines next_k, next_v;
           if ((b + 1) * num_heads < end) {
-            const int64_t* next_table = table + (b + 1) * max_blocks;
-            const int64_t next_blocks = (start_ptr[b + 1] + num_queries + block_size - 1) / block_size;
-            const int64_t part = task % num_heads;
-            next_k = BlockLines(k_base, next_table, next_blocks, block_bytes, part, num_heads);
-            next_v = BlockLines(v_base, next_table, next_blocks, block_bytes, part, num_heads);
+            next_k = this_layer.lines(b + 1, false, task % num_heads, num_heads);
+            next_v = this_layer.lines(b + 1, true, task % num_heads, num_heads);
           }
           kernel(reinterpret_cast<const float*>(q_ptr + offset), reinterpret_cast<const float*>(kv_ptr),
                  table + b * max_blocks, start_ptr[b], num_queries, group, g, g + 1, h, num_heads, num_kv_heads,
