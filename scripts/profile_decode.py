@@ -66,6 +66,7 @@ def main() -> None:
     timed(Scheduler, "update_from_output", "scheduler")
     timed(CausalLM, "forward", "model forward")
     timed(CausalLM, "compute_logits", "LM head")
+    timed(CausalLM, "greedy_tokens", "LM head")  # a greedy batch's head (or None: then compute_logits)
     timed(Sampler, "sample", "sampling")
     timed(engine_module.LLMEngine, "_to_request_output", "detokenize + outputs")
     for i in range(args.batch):
@@ -94,9 +95,9 @@ def main() -> None:
     for key in sorted(ops, key=ops.get, reverse=True)[:6]:
         print(f"      {key:<30} {per_step(ops[key])}")
     for label in ("LM head", "sampling", "scheduler", "detokenize + outputs"):
-        print(f"  {label:<34} {per_step(totals[label])}")
+        print(f"  {label:<34} {per_step(totals.get(label, 0.0))}")
     print(f"  {'the rest (batch building, glue)':<34} {per_step(wall - profiled)}")
-    print(f"  {'Python between the kernels (est.)':<34} {per_step(forward + totals['LM head'] - kernels)}")
+    print(f"  {'Python between the kernels (est.)':<34} {per_step(forward + totals.get('LM head', 0.0) - kernels)}")
 
 
 if __name__ == "__main__":
