@@ -87,6 +87,29 @@ def test_fused_norm_and_rotary_match_the_pytorch_formulas(kernels: None, dtype: 
     assert torch.equal(qkv[:, num_heads * head_dim :], expected_qkv[:, num_heads * head_dim :])  # v untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 16, 600])  # 600 x 200: more than one task's worth, on both threads
+def test_silu_mul_matches_the_pytorch_formula(kernels: None, dtype: torch.dtype, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 205, generator=gen) * 6).to(dtype)  # 205: vector loops plus a scalar tail
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, -200.0, 200.0])  # zeros, tiny, exp's edges
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate.float()).to(dtype).float().mul(up.float()).to(dtype)
+    got = torch.ops.kvservice.silu_mul(gate_up)
+    assert got.shape == (rows, 205) and got.dtype == dtype and got.is_contiguous()
+    if dtype == torch.float32:  # a few ulp: sigmoid from exp(-|x|), not x / (1 + exp(-x))
+        torch.testing.assert_close(got, expected, atol=1e-30, rtol=6e-7)
+    else:  # rounding silu to bfloat16 may go the other way on a float32 ulp
+        torch.testing.assert_close(got, expected, atol=1e-30, rtol=2e-2)
+        assert (got != expected).float().mean() < 0.01
+    assert float(got[0, 6]) == 0.0 and float(got[0, 7]) == pytest.approx(200.0 * float(up[0, 7]), rel=1e-2)
+
+
+def test_silu_mul_refuses_an_odd_width(kernels: None) -> None:
+    with pytest.raises(RuntimeError, match="contiguous \\[T, 2I\\]"):
+        torch.ops.kvservice.silu_mul(torch.zeros(2, 7))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_with_kernels_equals_the_pytorch_path(kernels: None, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     net = load_model("tiny", dtype=dtype).model

@@ -4,6 +4,7 @@
 - `add_rms_norm_`, `rotary_`: the residual add + RMSNorm, and rotary in place, one call each.
 - `prompt_attention`: causal attention of a fresh prompt over its own keys (AVX-512 fast).
 - `block_quant_linear`: a linear layer for a few rows over GGUF block-quantized weights.
+- `silu_mul`: SwiGLU's activation, silu(gate) * up, in one pass over the gate/up projection.
 - `decode_layer_`: a whole decoder layer of a decode step, those kernels in one call.
 - `greedy_head`: the LM head's argmax per row, exactly, mostly in 8-bit integer dot products
   (AVX-512 VNNI; `greedy_head_supported()`).
@@ -26,11 +27,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prompt_attention.cpp", "norm_rotary.cpp", "block_quant_linear.cpp", "decode_layer.cpp", "greedy_head.cpp")]
+_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prompt_attention.cpp", "norm_rotary.cpp", "block_quant_linear.cpp", "decode_layer.cpp", "greedy_head.cpp", "swiglu.cpp")]
 _HEADERS = sorted((pathlib.Path(__file__).parent / "csrc").glob("*.h"))
 # torch caches builds by name and the sources' hash (not the headers': their hash joins the
 # name); bump the version when an op's schema changes.
-_EXTENSION_VERSION = "v7"
+_EXTENSION_VERSION = "v8"
 # Vector ISA flags per torch's own CPU capability check. The capability is part of the
 # extension's name, so a cache shared by different CPUs never loads the wrong build.
 _ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]}

@@ -46,10 +46,8 @@ at::Tensor decode_layer_(at::Tensor residual, const at::Tensor& x, at::TensorLis
   at::Tensor attn = kvservice::paged_decode_attention(q, kv_layer, block_table, starts, num_queries, scale, next_kv_layer);
   at::Tensor attn_out = linear(attn.view({num_tokens, q_size}), o_w, o_bias);
   at::Tensor h = kvservice::add_rms_norm_(residual, attn_out, post_norm, post_eps);
-  // MLP: SwiGLU, as the Python path computes it (ATen's silu, then mul in place).
-  at::Tensor gate_up = linear(h, gate_up_w, c10::nullopt);
-  const int64_t intermediate = gate_up.size(1) / 2;
-  at::Tensor act = at::silu(gate_up.narrow(1, 0, intermediate)).mul_(gate_up.narrow(1, intermediate, intermediate));
+  // MLP: SwiGLU, as the Python path computes it.
+  at::Tensor act = kvservice::silu_mul(linear(h, gate_up_w, c10::nullopt));
   at::Tensor mlp_out = linear(act, down_w, c10::nullopt);
   return kvservice::add_rms_norm_(residual, mlp_out, next_norm, next_eps);
 }

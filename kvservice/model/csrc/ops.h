@@ -13,6 +13,8 @@ at::Tensor add_rms_norm_(at::Tensor residual, const c10::optional<at::Tensor>& x
                          double eps);
 void rotary_(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
              int64_t num_heads, int64_t head_dim);
+// SwiGLU's act = silu(gate) * up of the fused [T, 2I] gate/up projection: [T, I].
+at::Tensor silu_mul(const at::Tensor& gate_up);
 // next_kv_layer: the next layer's cache, whose rows of these requests it starts prefetching.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_table,
                                   const at::Tensor& starts, int64_t num_queries, double scale,
