@@ -208,3 +208,34 @@ def test_smollm2_decode_layer_calls_give_the_per_op_paths_numbers(smollm2_llm: L
         for a, b in zip(fused, reference):
             assert a.token_ids == b.token_ids
             assert [lp.logprob for lp in a.logprobs or []] == [lp.logprob for lp in b.logprobs or []]
+
+
+@pytest.mark.slow
+def test_smollm2_decode_layer_refuses_a_slot_outside_the_cache(smollm2_llm: LLM) -> None:
+    """The decode layer writes this step's K/V rows itself: a slot past the cache's end (or
+    negative) is an error, not a write outside the tensor; an in-range slot gets the row."""
+    engine = smollm2_llm.engine
+    model = engine.loaded.model
+    args = model._build_decode_layer_args()
+    assert args is not None, "SmolLM2's projections are block-quantized"
+    kv_layer = torch.zeros_like(engine.kv_caches[0][:, :2])  # 2 blocks of its own
+    num_slots = kv_layer.shape[1] * kv_layer.shape[2]
+    hidden = model.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    residual, x = torch.randn(1, hidden, generator=gen), torch.randn(1, hidden, generator=gen)
+    rope = model.rotary(torch.tensor([3]), torch.float32, True)
+    block_table, starts = torch.tensor([[0]]), torch.tensor([3])
+
+    def call(slot: int) -> None:
+        torch.ops.kvservice.decode_layer_(
+            residual.clone(), x, *args[0], kv_layer, torch.tensor([3]), rope.cos_table, rope.sin_table,
+            torch.tensor([slot]), block_table, starts, 1, model.config.head_dim**-0.5, None,
+        )
+
+    for slot in (num_slots, -1):
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            call(slot)
+    assert not kv_layer.any()
+    call(3)
+    rows_written = kv_layer.flatten(1, 2).ne(0).flatten(2).any(-1)  # [2, slots]: K and V
+    assert rows_written[:, 3].all() and int(rows_written.sum()) == 2
