@@ -17,11 +17,14 @@ then keep their PyTorch formulas, which the tests compare the kernels against.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import pathlib
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -52,6 +55,29 @@ def prompt_attention_is_faster() -> bool:
     return _is_loaded and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
+@contextlib.contextmanager
+def one_builder(build_dir: pathlib.Path) -> Iterator[None]:
+    """Hold the build of `build_dir` against other kvservice processes, and clear torch's lock
+    file there if a killed build left it. torch marks a build in progress with a `lock` file that
+    only its builder removes; one killed mid-build (Ctrl-C during a first start) left every later
+    start waiting on it forever. Every kvservice build holds this record lock while it builds, and
+    the OS drops it when its holder dies: whoever holds it and still finds `lock` knows that
+    lock's builder is gone."""
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        held = open(build_dir / "kvservice-build.lock", "a")  # noqa: SIM115 (closed below, after the yield)
+    except OSError:  # a read-only cache: nothing is built there, a finished build still loads
+        yield
+        return
+    with held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a concurrent start waits here, then finds the build done
+        baton = build_dir / "lock"
+        if baton.exists():
+            log.warning("removing %s, left by a kernel build that was killed", baton)
+            baton.unlink(missing_ok=True)
+        yield
+
+
 def load_cpu_kernels() -> bool:
     """Build (first call on a machine) and load the ops; False means: use the PyTorch path."""
     global _is_loaded, _tried
@@ -70,18 +96,21 @@ def load_cpu_kernels() -> bool:
         start = time.perf_counter()
         log.info("loading the C++ CPU kernels (built once per machine, then cached by torch)")
         try:
-            cpp_extension.load(
-                name=name,
-                sources=[str(s) for s in _SOURCES],
-                # No FMA contraction: rotary then rounds exactly like the PyTorch formula.
-                # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers; without it
-                # every kernel ran on one thread. The build links libgomp.so.1, which resolves
-                # to the one torch already loaded (same soname): one OpenMP pool, torch's.
-                extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *isa_flags],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
+            build_dir = pathlib.Path(cpp_extension._get_build_directory(name, False))
+            with one_builder(build_dir):
+                cpp_extension.load(
+                    name=name,
+                    sources=[str(s) for s in _SOURCES],
+                    # No FMA contraction: rotary then rounds exactly like the PyTorch formula.
+                    # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers; without it
+                    # every kernel ran on one thread. The build links libgomp.so.1, which resolves
+                    # to the one torch already loaded (same soname): one OpenMP pool, torch's.
+                    extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *isa_flags],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir),
+                    is_python_module=False,
+                    verbose=False,
+                )
         except Exception as e:  # no compiler, no ninja, a read-only cache...: the fallback still works
             first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
             log.warning("C++ CPU kernels unavailable, using the PyTorch path: %s", first_line)
