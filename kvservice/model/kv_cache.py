@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import mmap
 from dataclasses import dataclass
 
 import torch
@@ -53,18 +51,4 @@ class KVCacheLayout:
 
 
 def allocate_kv_caches(layout: KVCacheLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer."""
-    shape = layout.blocks_shape(num_blocks)
-    if device.type != "cpu":
-        return [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
-    return [zero_pages(shape, layout.dtype) for _ in range(layout.num_layers)]
-
-
-def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of zeros in an anonymous memory map: the OS maps a page in, zeroed, when it
-    is first written, so a large KV cache costs no start-up time (torch.zeros of SmolLM2's 1 GiB:
-    ~0.25 s of writes) and no memory for blocks never used. The tensor keeps the map alive."""
-    count = math.prod(shape)
-    if count == 0:
-        return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype, count=count).view(shape)
+    return [torch.zeros(layout.blocks_shape(num_blocks), dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]

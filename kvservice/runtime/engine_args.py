@@ -30,7 +30,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> list[argparse.Actio
         group.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the cache (default: as many as --kv-cache-mib holds)"),
         group.add_argument(
             "--kv-cache-mib", type=int, default=1024,
-            help="KV cache size in MiB when --num-blocks is not given; on CPU its memory is taken as blocks are first used (default: 1024)",
+            help="KV cache size in MiB when --num-blocks is not given (default: 1024)",
         ),
         group.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step (default: 64)"),
         group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default: 2048)"),
