@@ -9,7 +9,7 @@ import torch
 from kvservice.loading.model_files import TINY_CONFIG
 from kvservice.loading.model_loader import load_model
 from kvservice.model import model as model_module
-from kvservice.model.attention import AttentionMetadata, PrefillSpan
+from kvservice.model.attention import AttentionMetadata, PrefillSpan, write_kv
 from kvservice.model.cpu_kernels import load_cpu_kernels
 from kvservice.model.model import CausalLM, Linear, RMSNorm
 from kvservice.model.rotary import RotaryEmbedding
@@ -108,6 +108,34 @@ def test_silu_mul_matches_the_pytorch_formula(kernels: None, dtype: torch.dtype,
 def test_silu_mul_refuses_an_odd_width(kernels: None) -> None:
     with pytest.raises(RuntimeError, match="contiguous \\[T, 2I\\]"):
         torch.ops.kvservice.silu_mul(torch.zeros(2, 7))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_the_rows_index_copy_stores(kernels: None, dtype: torch.dtype) -> None:
+    """The C++ write_kv_ (one row copy a token) fills the same slots as two index_copy_ calls,
+    reading k and v as the qkv projection's strided columns."""
+    gen = torch.Generator().manual_seed(3)
+    num_heads, num_kv_heads, head_dim, tokens = 4, 2, 8, 5
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    _, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    k, v = k.view(tokens, num_kv_heads, head_dim), v.view(tokens, num_kv_heads, head_dim)
+    slots = torch.tensor([9, 0, 31, 4, 17])
+    cache = torch.randn(2, 4, 8, num_kv_heads, head_dim, generator=gen).to(dtype)
+    expected = cache.clone()
+    expected.flatten(1, 2)[0].index_copy_(0, slots, k)
+    expected.flatten(1, 2)[1].index_copy_(0, slots, v)
+    write_kv(cache, k, v, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache_before_writing(kernels: None) -> None:
+    cache = torch.zeros(2, 4, 8, 2, 8)
+    k = v = torch.ones(3, 2, 8)
+    with pytest.raises(RuntimeError, match="slot 32 outside the cache's 32"):
+        torch.ops.kvservice.write_kv_(cache, k, v, torch.tensor([1, 2, 32]))
+    assert not cache.any()  # the two valid slots were not written either
+    with pytest.raises(RuntimeError, match="each token's row contiguous"):
+        torch.ops.kvservice.write_kv_(cache, k.transpose(1, 2).contiguous().transpose(1, 2), v, torch.tensor([1, 2, 3]))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -65,7 +65,13 @@ class LayerKVHooks(Protocol):
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store the step's new keys and values. k, v: [T, Hkv, D]."""
+    """Store the step's new keys and values. k, v: [T, Hkv, D], a token's row contiguous (the
+    qkv projection's columns in place). On the CPU with the kernels loaded one row copy a
+    token (`csrc/decode_layer.cpp`, which the one-call decode layers use too), else two
+    index_copy_ calls."""
+    if kv_layer.device.type == "cpu" and kernels_loaded():
+        torch.ops.kvservice.write_kv_(kv_layer, k, v, slot_mapping)
+        return
     flat = kv_layer.flatten(1, 2)  # [2, num_blocks * block_size, Hkv, D]
     flat[0].index_copy_(0, slot_mapping, k)
     flat[1].index_copy_(0, slot_mapping, v)

@@ -26,30 +26,44 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, const c10::optional<at:
   return kvservice::block_quant_linear(x, w[0], w[1], w[2], bias);
 }
 
-// This step's K and V (qkv's columns [q_size, q_size + 2 kv_size)) into the cache rows at
-// slot_mapping, a row copy each: what two index_copy_ calls do, without their ~9 us a layer
-// (16 requests; SmolLM2's 30 layers: ~0.25 ms of a step).
-void write_kv_rows(const at::Tensor& kv_layer, const at::Tensor& qkv, int64_t q_size, int64_t kv_size,
-                   const at::Tensor& slot_mapping) {
-  TORCH_CHECK(kv_layer.is_contiguous() && kv_layer.dim() == 5 && kv_layer.size(0) == 2 &&
-                  kv_layer.size(3) * kv_layer.size(4) == kv_size && kv_layer.scalar_type() == qkv.scalar_type(),
-              "kv_layer must be a contiguous [2, num_blocks, block_size, Hkv, D] tensor of qkv's dtype");
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= q_size + 2 * kv_size, "qkv is too narrow");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == qkv.size(0),
+}  // namespace
+
+namespace kvservice {
+
+// A step's new K and V rows ([T, Hkv, D] each, a token's row contiguous, any token stride: the
+// qkv projection's columns in place) into the cache rows at slot_mapping, a row copy each. What
+// two index_copy_ calls do, without their ~9 us a layer (16 requests; SmolLM2's 30 layers:
+// ~0.25 ms of a step). Every slot is checked before anything is written.
+void write_kv_(at::Tensor kv_layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_layer.is_contiguous() && kv_layer.dim() == 5 && kv_layer.size(0) == 2,
+              "kv_layer must be a contiguous [2, num_blocks, block_size, Hkv, D] tensor");
+  const int64_t num_tokens = slot_mapping.numel(), row = kv_layer.size(3) * kv_layer.size(4);
+  for (const at::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == num_tokens && t->size(1) * t->size(2) == row &&
+                    t->stride(2) == 1 && t->stride(1) == t->size(2) && t->scalar_type() == kv_layer.scalar_type(),
+                "k and v must be [T, Hkv, D] of kv_layer's dtype and shape, each token's row contiguous");
+  }
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "slot_mapping must be a contiguous int64 tensor, a slot per token");
-  const int64_t num_slots = kv_layer.size(1) * kv_layer.size(2), item = qkv.element_size();
-  const int64_t row_bytes = kv_size * item;
+  const int64_t num_slots = kv_layer.size(1) * kv_layer.size(2), item = kv_layer.element_size();
+  const int64_t row_bytes = row * item;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const char* src = static_cast<const char*>(qkv.data_ptr());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " outside the cache's ", num_slots);
+  }
+  const char* k_src = static_cast<const char*>(k.data_ptr());
+  const char* v_src = static_cast<const char*>(v.data_ptr());
   char* keys = static_cast<char*>(kv_layer.data_ptr());
   char* values = keys + num_slots * row_bytes;
-  for (int64_t t = 0; t < qkv.size(0); ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " outside the cache's ", num_slots);
-    const char* row = src + t * qkv.stride(0) * item + q_size * item;
-    std::memcpy(keys + slots[t] * row_bytes, row, row_bytes);
-    std::memcpy(values + slots[t] * row_bytes, row + row_bytes, row_bytes);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    std::memcpy(keys + slots[t] * row_bytes, k_src + t * k.stride(0) * item, row_bytes);
+    std::memcpy(values + slots[t] * row_bytes, v_src + t * v.stride(0) * item, row_bytes);
   }
 }
+
+}  // namespace kvservice
+
+namespace {
 
 at::Tensor decode_layer_(at::Tensor residual, const at::Tensor& x, at::TensorList qkv_w,
                          const c10::optional<at::Tensor>& qkv_bias, at::TensorList o_w,
@@ -64,7 +78,9 @@ at::Tensor decode_layer_(at::Tensor residual, const at::Tensor& x, at::TensorLis
   // Attention: qkv, rotary on q and k, this step's K/V into the cache, attention over the cache.
   at::Tensor qkv = linear(x, qkv_w, qkv_bias);  // [T, (Hq + 2 Hkv) * D]
   kvservice::rotary_(qkv, positions, cos_table, sin_table, num_heads + num_kv_heads, head_dim);
-  write_kv_rows(kv_layer, qkv, q_size, kv_size, slot_mapping);
+  const int64_t kv_heads_shape[] = {num_tokens, num_kv_heads, head_dim};
+  kvservice::write_kv_(kv_layer, qkv.narrow(1, q_size, kv_size).view(kv_heads_shape),
+                       qkv.narrow(1, q_size + kv_size, kv_size).view(kv_heads_shape), slot_mapping);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads, head_dim}).contiguous();
   at::Tensor attn = kvservice::paged_decode_attention(q, kv_layer, block_table, starts, num_queries, scale, next_kv_layer);
   at::Tensor attn_out = linear(attn.view({num_tokens, q_size}), o_w, o_bias);
@@ -78,6 +94,7 @@ at::Tensor decode_layer_(at::Tensor residual, const at::Tensor& x, at::TensorLis
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvservice, m) {
+  m.def("write_kv_(Tensor(a!) kv_layer, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.def(
       "decode_layer_(Tensor(a!) residual, Tensor x, Tensor[] qkv_w, Tensor? qkv_bias, Tensor[] o_w, Tensor? o_bias, "
       "Tensor[] gate_up_w, Tensor[] down_w, Tensor post_norm, float post_eps, Tensor next_norm, float next_eps, "
@@ -86,4 +103,7 @@ TORCH_LIBRARY_FRAGMENT(kvservice, m) {
       "Tensor? next_kv_layer=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvservice, CPU, m) { m.impl("decode_layer_", &decode_layer_); }
+TORCH_LIBRARY_IMPL(kvservice, CPU, m) {
+  m.impl("write_kv_", &kvservice::write_kv_);
+  m.impl("decode_layer_", &decode_layer_);
+}
