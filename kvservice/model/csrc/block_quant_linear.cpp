@@ -240,6 +240,62 @@ void direct_panel(const float* x, int64_t x_stride, const uint8_t* codes, const 
   }
 }
 
+// Two adjacent panels (the second's codes `code_stride` bytes and its scales and mins
+// `block_stride` further on), R rows: acc[r, 0:32] = the two panels' sums, each over k in order
+// as direct_panel<R, 1> sums them. Each x[r, k] read serves two FMAs, which on Zen 5 (two
+// 512-bit loads a cycle, as many as FMAs) beats keeping 16 rows in one group, though a 16-row
+// batch dequantizes each weight twice: SmolLM2's projections, 16 rows 365-403 -> 422-428
+// GFLOP/s, 8 rows 300-322 -> 394-409, 4 rows 229 -> 314-326; a decode step's 30 layers from
+// DRAM at 16 rows 10.2-10.4 -> 9.7-9.9 ms.
+template <int R, bool kPacked, bool kBf16>
+void direct_pair(const float* x, int64_t x_stride, const uint8_t* codes, int64_t code_stride, const at::Half* scales,
+                 const at::Half* mins, int64_t block_stride, int64_t k_size, float* acc_out, int64_t acc_stride) {
+  V16 acc0[R], acc1[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = zero16();
+  for (int64_t b = 0; b < k_size / kBlock; ++b) {
+    const V16 d0 = load_half16(scales + b * kPanel), m0 = load_half16(mins + b * kPanel);
+    const V16 d1 = load_half16(scales + block_stride + b * kPanel), m1 = load_half16(mins + block_stride + b * kPanel);
+    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += 2) {
+      V16 w0, w1, v0, v1;
+      dequantize_pair<kPacked, kBf16>(codes, k, d0, m0, w0, w1);
+      dequantize_pair<kPacked, kBf16>(codes + code_stride, k, d1, m1, v0, v1);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * x_stride + k;
+        acc0[r] = fma16(xr[0], w0, acc0[r]);
+        acc1[r] = fma16(xr[0], v0, acc1[r]);
+        acc0[r] = fma16(xr[1], w1, acc0[r]);
+        acc1[r] = fma16(xr[1], v1, acc1[r]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    store16(acc_out + r * acc_stride, acc0[r]);
+    store16(acc_out + r * acc_stride + kPanel, acc1[r]);
+  }
+}
+
+template <bool kPacked, bool kBf16>
+void direct_pair_rows(int64_t num_rows, const float* x, int64_t x_stride, const uint8_t* codes, int64_t code_stride,
+                      const at::Half* scales, const at::Half* mins, int64_t block_stride, int64_t k_size, float* acc,
+                      int64_t acc_stride) {
+#define KVSERVICE_PAIR(R) \
+  return direct_pair<R, kPacked, kBf16>(x, x_stride, codes, code_stride, scales, mins, block_stride, k_size, acc, acc_stride)
+  switch (num_rows) {
+    case 1: KVSERVICE_PAIR(1);
+    case 2: KVSERVICE_PAIR(2);
+    case 3: KVSERVICE_PAIR(3);
+    case 4: KVSERVICE_PAIR(4);
+    case 5: KVSERVICE_PAIR(5);
+    case 6: KVSERVICE_PAIR(6);
+    case 7: KVSERVICE_PAIR(7);
+    default: KVSERVICE_PAIR(8);
+  }
+#undef KVSERVICE_PAIR
+}
+
 // Up to 3 rows (U > 1: more chains in flight), or any rows of a larger batch, whose sums then
 // run over k in order as the buffered path's do: a row's result is the same in every batch
 // of 4 or more rows, whichever path serves it.
@@ -373,12 +429,21 @@ void linear_panels(const float* x, int64_t m_size, int64_t k_size, const uint8_t
     // panel, x's broadcasts and the weights took every load slot; 2,040 rows of SmolLM2's
     // projections 406-438 -> 456-477 GFLOP/s).
     const bool direct = m_size <= kDirectRows;  // then one block: m_len == m_size
-    const int64_t wide_max = direct ? 1 : kWide;
+    // Pairs of panels in the direct path too from 4 rows, where its sums run over k in order.
+    const int64_t wide_max = direct && m_size < 4 ? 1 : kWide;
     kvservice::parallel_for((num_panels + wide_max - 1) / wide_max, 16 / wide_max, [&](int64_t begin, int64_t end) {
       alignas(64) float buf[kChunk * kPanel];
       for (int64_t group = begin; group < end; ++group) {
         const int64_t p0 = group * wide_max, wide = std::min(wide_max, num_panels - p0);
-        if (direct) {
+        if (direct && wide == 2) {  // rows in even groups of up to 8, each dequantizing the pair
+          const int64_t groups = (m_len + 7) / 8, per = (m_len + groups - 1) / groups;
+          for (int64_t r0 = 0; r0 < m_len; r0 += per) {
+            direct_pair_rows<kPacked, kBf16>(std::min(per, m_len - r0), x_block + r0 * k_size, k_size,
+                                             codes + p0 * panel_code_bytes, panel_code_bytes, scales + p0 * panel_blocks,
+                                             mins + p0 * panel_blocks, panel_blocks, k_size,
+                                             acc_block + r0 * n_size + p0 * kPanel, n_size);
+          }
+        } else if (direct) {
           for (int64_t r0 = 0; r0 < m_len; r0 += kDirectGroup) {
             direct_rows<kPacked, kBf16>(std::min(kDirectGroup, m_len - r0), m_size > 3, x_block + r0 * k_size, k_size,
                                         codes + p0 * panel_code_bytes, scales + p0 * panel_blocks,
