@@ -62,7 +62,9 @@ constexpr int64_t kRowTile = 6;  // rows of x per buffered micro-kernel (AVX2: 1
 // 32 vector registers: 16 rows' sums and 4 k's weights stay in them, so up to 16 rows take the
 // direct path in one group (weights dequantized once, not into a buffer). In two groups of 8,
 // each dequantizing every weight, SmolLM2's projections for 16 rows ran at 179-188 GFLOP/s,
-// in one group at 193-202 (2 Zen 4 cores).
+// in one group at 193-202 (2 Zen 4 cores). That is one panel at a time: two panels at a time
+// (direct_pair, from 4 rows) in groups of up to 8 rows beat it on Zen 5 (not measured on Zen 4),
+// so the one 16-row group serves only a last odd panel.
 constexpr int64_t kDirectRows = 16;
 constexpr int64_t kDirectGroup = 16;
 #else
