@@ -339,14 +339,14 @@ template <bool kPacked, bool kBf16>
 void dequantize_chunk(const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t k0, int64_t k_len,
                       float* buf, int64_t num_wide, int64_t w) {
   const int64_t stride = num_wide * kPanel;
-  float* out = buf + w * kPanel - k0 * stride;
   for (int64_t b = k0 / kBlock; b < (k0 + k_len) / kBlock; ++b) {
     const V16 d = load_half16(scales + b * kPanel), m = load_half16(mins + b * kPanel);
     for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += 2) {
       V16 w0, w1;
       dequantize_pair<kPacked, kBf16>(codes, k, d, m, w0, w1);
-      store16(out + k * stride, w0);
-      store16(out + (k + 1) * stride, w1);
+      float* out = buf + (k - k0) * stride + w * kPanel;
+      store16(out, w0);
+      store16(out + stride, w1);
     }
   }
 }
