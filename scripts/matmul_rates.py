@@ -78,5 +78,6 @@ def decode_step(layers: list[dict[str, BlockQuantWeight]], inputs: dict[int, tor
         for name, (_, k) in SHAPES.items():
             layer[name].linear(inputs[k])
 
+
 if __name__ == "__main__":
     main()

@@ -446,7 +446,7 @@ void linear_panels(const float* x, int64_t m_size, int64_t k_size, const uint8_t
     // chunks side by side in one buffer of kChunk * kPanel floats, so each x[r, k] read serves
     // kWide FMAs (Zen 5 loads two 512-bit operands a cycle, as many as it issues FMAs: with one
     // panel, x's broadcasts and the weights took every load slot; 2,040 rows of SmolLM2's
-    // projections 406-438 -> 456-477 GFLOP/s).
+    // projections 406-438 -> 456-495 GFLOP/s).
     const bool direct = m_size <= kDirectRows;  // then one block: m_len == m_size
     // Pairs of panels in the direct path too from 4 rows, where its sums run over k in order.
     const int64_t wide_max = direct && m_size < 4 ? 1 : kWide;
