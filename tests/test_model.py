@@ -71,6 +71,10 @@ def test_fused_norm_and_rotary_match_the_pytorch_formulas(kernels: None, dtype: 
     assert torch.equal(residual, expected_residual)  # the add rounds once, like `+`
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+    # Rows are normalised side by side, but each as it would be alone: bit for bit.
+    for row in (0, 7, 8, 36):
+        alone = torch.ops.kvservice.add_rms_norm_(expected_residual[row : row + 1].clone(), None, norm.weight, norm.eps)
+        assert torch.equal(alone[0], got[row]), row
 
     rotary = RotaryEmbedding(TINY_CONFIG, 300)  # head_dim 32
     num_heads, head_dim = 6, TINY_CONFIG.head_dim
