@@ -32,7 +32,8 @@ def kernels() -> None:
 
 
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 6, 7, 9, 13, 16, 17, 64, 81, 300])
-@pytest.mark.parametrize(("shape", "is_signed"), [((960, 576), False), ((576, 1536), False), ((160, 288), True)])
+# (1024, 288): rows of the output 4 KiB apart, which the buffered path sums in a tile of its own.
+@pytest.mark.parametrize(("shape", "is_signed"), [((960, 576), False), ((576, 1536), False), ((160, 288), True), ((1024, 288), False)])
 def test_kernel_equals_the_pytorch_formula(kernels: None, num_rows: int, shape: tuple[int, int], is_signed: bool) -> None:
     weight = random_block_quant_weight(*shape, is_signed, seed=num_rows)
     x = torch.randn(num_rows, shape[1], generator=torch.Generator().manual_seed(7))
@@ -40,7 +41,7 @@ def test_kernel_equals_the_pytorch_formula(kernels: None, num_rows: int, shape: 
     torch.testing.assert_close(weight.linear(x), weight.linear_reference(x), rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize(("shape", "is_signed"), [((960, 576), False), ((160, 288), True)])
+@pytest.mark.parametrize(("shape", "is_signed"), [((960, 576), False), ((160, 288), True), ((1024, 288), False)])
 def test_a_rows_result_is_the_same_in_every_batch_of_four_or_more_rows(kernels: None, shape: tuple[int, int], is_signed: bool) -> None:
     # Decode batches take the direct path, prompt steps the buffered one, in row blocks: every
     # row's dot products still add in the same order, so batching never changes a result.
@@ -53,7 +54,7 @@ def test_a_rows_result_is_the_same_in_every_batch_of_four_or_more_rows(kernels: 
 
 
 @pytest.mark.parametrize("num_rows", [1, 2, 6, 7, 16, 64])
-@pytest.mark.parametrize(("shape", "is_signed"), [((960, 576), False), ((160, 288), True)])
+@pytest.mark.parametrize(("shape", "is_signed"), [((960, 576), False), ((160, 288), True), ((1024, 288), False)])
 def test_bfloat16_kernel_rounds_the_float32_sum_once(
     kernels: None, num_rows: int, shape: tuple[int, int], is_signed: bool
 ) -> None:
@@ -72,10 +73,11 @@ def test_bfloat16_kernel_rounds_the_float32_sum_once(
     assert (got == expected).float().mean() >= 0.99
 
 
-def test_float32_kernel_adds_the_bias(kernels: None) -> None:
-    weight = random_block_quant_weight(160, 288, True, seed=3)
+@pytest.mark.parametrize(("num_outputs", "num_rows"), [(160, 5), (160, 40), (1024, 40)])
+def test_float32_kernel_adds_the_bias(kernels: None, num_outputs: int, num_rows: int) -> None:
+    weight = random_block_quant_weight(num_outputs, 288, True, seed=3)
     gen = torch.Generator().manual_seed(8)
-    x, bias = torch.randn(5, 288, generator=gen), torch.randn(160, generator=gen)
+    x, bias = torch.randn(num_rows, 288, generator=gen), torch.randn(num_outputs, generator=gen)
     torch.testing.assert_close(weight.linear(x, bias), weight.linear_reference(x, bias), rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(weight.linear(x, bias), weight.linear(x) + bias, rtol=0, atol=0)
 
