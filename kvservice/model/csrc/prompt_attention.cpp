@@ -39,14 +39,14 @@ struct Shapes {
 
 // Scores of queries [t0, t1) (their scaled rows in `q_scaled`) against keys [0, padded) of the
 // transposed keys; keys past a row's query: -inf.
-void scores_scalar(const float* q_scaled, const float* kt, int64_t head_dim, int64_t t0, int64_t t1, int64_t padded,
-                   float* scores) {
+void scores_scalar(const float* q_scaled, const float* kt, int64_t kt_stride, int64_t head_dim, int64_t t0, int64_t t1,
+                   int64_t padded, float* scores) {
   for (int64_t t = t0; t < t1; ++t) {
     float* row = scores + (t - t0) * padded;
     const float* q_row = q_scaled + (t - t0) * head_dim;
     for (int64_t p = 0; p < padded; ++p) {
       float dot = 0.f;
-      for (int64_t d = 0; d < head_dim && p <= t; ++d) dot += q_row[d] * kt[d * padded + p];
+      for (int64_t d = 0; d < head_dim && p <= t; ++d) dot += q_row[d] * kt[d * kt_stride + p];
       row[p] = p <= t ? dot : -std::numeric_limits<float>::infinity();
     }
   }
@@ -57,13 +57,14 @@ void scores_scalar(const float* q_scaled, const float* kt, int64_t head_dim, int
 // query value and C key vectors per d, R * C sums in registers. Rows of `q_scaled` are
 // head_dim floats apart, rows of `out` (the scores) `padded`.
 template <int R, int C>
-inline void score_tile(const float* q_scaled, const float* kt, int64_t padded, int64_t head_dim, int64_t p0, float* out) {
+inline void score_tile(const float* q_scaled, const float* kt, int64_t kt_stride, int64_t padded, int64_t head_dim, int64_t p0,
+                       float* out) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t d = 0; d < head_dim; ++d) {
     __m512 kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kt + d * padded + p0 + 16 * c);
+    for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kt + d * kt_stride + p0 + 16 * c);
     for (int r = 0; r < R; ++r) {
       const __m512 qd = _mm512_set1_ps(q_scaled[r * head_dim + d]);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(qd, kv[c], acc[r][c]);
@@ -75,9 +76,9 @@ inline void score_tile(const float* q_scaled, const float* kt, int64_t padded, i
 
 // score_tile for n (1 to 8) rows.
 template <int C>
-inline void score_rows(int64_t n, const float* q_scaled, int64_t head_dim, const float* kt, int64_t padded, int64_t p0,
-                       float* out) {
-#define KVSERVICE_SCORE(R) return score_tile<R, C>(q_scaled, kt, padded, head_dim, p0, out)
+inline void score_rows(int64_t n, const float* q_scaled, int64_t head_dim, const float* kt, int64_t kt_stride, int64_t padded,
+                       int64_t p0, float* out) {
+#define KVSERVICE_SCORE(R) return score_tile<R, C>(q_scaled, kt, kt_stride, padded, head_dim, p0, out)
   switch (n) {
     case 1: KVSERVICE_SCORE(1);
     case 2: KVSERVICE_SCORE(2);
@@ -113,18 +114,13 @@ inline void value_tile(const float* probs, int64_t padded, const float* v, int64
 }
 #endif
 
-// One task: KV head h, queries [t0, t1) of each of its query heads.
+// One task: KV head h, queries [t0, t1) of each of its query heads; kt: that head's K^T, [D,
+// kt_stride] (keys past a query's own are masked).
 template <int D16>
-void attend_tile(const float* q, const float* k, const float* v, const Shapes& s, int64_t h, int64_t t0, int64_t t1,
-                 float* out, std::vector<float>& kt, std::vector<float>& q_scaled, std::vector<float>& scores) {
+void attend_tile(const float* q, const float* kt, int64_t kt_stride, const float* v, const Shapes& s, int64_t h,
+                 int64_t t0, int64_t t1, float* out, std::vector<float>& q_scaled, std::vector<float>& scores) {
   const int64_t head_dim = s.head_dim, rows = t1 - t0;
   const int64_t padded = (t1 + kKeyTile - 1) / kKeyTile * kKeyTile;
-  // K^T for keys [0, t1): [D, padded], zero past t1 (those scores are masked anyway).
-  kt.assign(head_dim * padded, 0.f);
-  for (int64_t p = 0; p < t1; ++p) {
-    const float* k_row = k + p * s.k_stride + h * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) kt[d * padded + p] = k_row[d];
-  }
   scores.resize(rows * padded);
   q_scaled.resize(rows * head_dim);
   std::vector<float> inv_total(rows);
@@ -143,9 +139,9 @@ void attend_tile(const float* q, const float* k, const float* v, const Shapes& s
         float* out_rows = scores.data() + r0 * padded;
         for (int64_t p0 = 0; p0 < visible; p0 += 32) {
           if (p0 + 32 <= padded) {
-            score_rows<2>(n, qs, head_dim, kt.data(), padded, p0, out_rows);
+            score_rows<2>(n, qs, head_dim, kt, kt_stride, padded, p0, out_rows);
           } else {
-            score_rows<1>(n, qs, head_dim, kt.data(), padded, p0, out_rows);
+            score_rows<1>(n, qs, head_dim, kt, kt_stride, padded, p0, out_rows);
           }
         }
       }
@@ -194,7 +190,7 @@ void attend_tile(const float* q, const float* k, const float* v, const Shapes& s
     }
 #endif
     // Plain C++: the same steps, a scalar at a time.
-    scores_scalar(q_scaled.data(), kt.data(), head_dim, t0, t1, padded, scores.data());
+    scores_scalar(q_scaled.data(), kt, kt_stride, head_dim, t0, t1, padded, scores.data());
     for (int64_t r = 0; r < rows; ++r) {
       float* row = scores.data() + r * padded;
       const int64_t visible = t0 + r + 1;
@@ -232,14 +228,31 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const float* v_ptr = v.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
   auto* tile = head_dim == 64 ? &attend_tile<4> : head_dim == 128 ? &attend_tile<8> : &attend_tile<0>;
-  // Tasks: (query tile, KV head), the last query tiles (the most keys) first, handed out in order.
+  // Each KV head's K^T, [D, kt_stride], once for all its query tiles (a transpose per task took
+  // ~4x the copies), zero past the last key.
+  const int64_t kt_stride = (num_tokens + kKeyTile - 1) / kKeyTile * kKeyTile;
+  std::vector<float> kt(num_kv_heads * head_dim * kt_stride, 0.f);
+  kvservice::parallel_for(num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      float* kt_head = kt.data() + h * head_dim * kt_stride;
+      for (int64_t p = 0; p < num_tokens; ++p) {
+        const float* k_row = k_ptr + p * s.k_stride + h * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) kt_head[d * kt_stride + p] = k_row[d];
+      }
+    }
+  });
+  // Tasks: (query tile, KV head). A tile's work grows with its index (its keys), and the pool
+  // hands each thread a contiguous range of tasks: so tiles go heaviest, lightest, next
+  // heaviest, next lightest, ..., and any contiguous half holds about half the work (in index
+  // order the first half held 26 of 36 units: 8 tiles, 2 threads).
   const int64_t num_tiles = (num_tokens + kQueryTile - 1) / kQueryTile;
   kvservice::parallel_for(num_tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kt, q_scaled, scores;
+    std::vector<float> q_scaled, scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t tile_index = num_tiles - 1 - task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t i = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t tile_index = i % 2 == 0 ? num_tiles - 1 - i / 2 : i / 2;
       const int64_t t0 = tile_index * kQueryTile, t1 = std::min(num_tokens, t0 + kQueryTile);
-      tile(q_ptr, k_ptr, v_ptr, s, h, t0, t1, out_ptr, kt, q_scaled, scores);
+      tile(q_ptr, kt.data() + h * head_dim * kt_stride, kt_stride, v_ptr, s, h, t0, t1, out_ptr, q_scaled, scores);
     }
   });
   return out;
