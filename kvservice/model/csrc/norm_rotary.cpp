@@ -5,13 +5,17 @@
 // PyTorch formulas as the fallback. Both round like the reference: RMSNorm normalises
 // in float32, rounds to the model's dtype, then scales; rotary products are not fused
 // into FMAs (built with -ffp-contract=off), so float32 results are bit-identical.
+// Their rows split over kvservice's thread pool, as the matmuls': an OpenMP region
+// (at::parallel_for) between two pool jobs found the core of its second thread taken by the
+// pool's worker, still spinning for the next job (a prefill worker's 256-token steps spent
+// ~15% of their time in these two ops).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "ops.h"
+#include "thread_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -41,7 +45,7 @@ at::Tensor add_rms_norm_(at::Tensor residual, const c10::optional<at::Tensor>& x
     const scalar_t* xs = has_x ? x->data_ptr<scalar_t>() : nullptr;
     const scalar_t* w = weight.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    kvservice::parallel_for(rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t0 = begin; t0 < end; t0 += kNormRows) {
         const int64_t n = std::min(kNormRows, end - t0);
         if (xs != nullptr) {
@@ -103,7 +107,7 @@ void rotary_(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos_
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_", [&] {
     scalar_t* base = qkv.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    kvservice::parallel_for(rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         // The reference multiplies in the model's dtype: round the angles to it first.
         const float* c = cos_ptr + pos[t] * head_dim;
