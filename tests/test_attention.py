@@ -162,6 +162,19 @@ def test_paged_attention_runs_fresh_prompts_through_the_kernel_as_sdpa_would(ker
     assert not torch.equal(with_kernel[1:], with_sdpa[1:])  # the prompts really took the other path
 
 
+def test_prompt_attention_out_writes_the_ops_result_into_a_slice(kernel) -> None:
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(40, 9, HEAD_DIM, generator=gen), torch.randn(40, 3, HEAD_DIM, generator=gen), torch.randn(40, 3, HEAD_DIM, generator=gen)
+    out = torch.full((50, 9, HEAD_DIM), 7.0)
+    torch.ops.kvservice.prompt_attention_out(q, k, v, 0.125, out[5:45])
+    assert torch.equal(out[5:45], torch.ops.kvservice.prompt_attention(q, k, v, 0.125))
+    assert bool((out[:5] == 7.0).all()) and bool((out[45:] == 7.0).all())  # nothing outside the slice
+    with pytest.raises(RuntimeError, match="q's shape"):
+        torch.ops.kvservice.prompt_attention_out(q, k, v, 0.125, out[:39])
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        torch.ops.kvservice.prompt_attention_out(q, k, v, 0.125, torch.empty(9, 40, HEAD_DIM).transpose(0, 1))
+
+
 def test_prompt_attention_rejects_a_layout_it_cannot_read(kernel) -> None:
     q = torch.randn(8, 4, HEAD_DIM)
     k = torch.randn(8, HEAD_DIM, 2).transpose(1, 2)  # heads not contiguous
@@ -176,12 +189,12 @@ def test_a_long_fresh_prompt_goes_to_sdpa(kernel, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr("kvservice.model.attention.PROMPT_KERNEL_MAX_TOKENS", 16)
     monkeypatch.setattr("kvservice.model.attention.prompt_attention_is_faster", lambda: True)
     calls: list[int] = []
-    real = torch.ops.kvservice.prompt_attention
+    real = torch.ops.kvservice.prompt_attention_out
 
     class _Ops:
-        def prompt_attention(self, q: torch.Tensor, *args: object) -> torch.Tensor:
+        def prompt_attention_out(self, q: torch.Tensor, *args: object) -> None:
             calls.append(q.shape[0])
-            return real(q, *args)
+            real(q, *args)
 
     monkeypatch.setattr("kvservice.model.attention.torch.ops.kvservice", _Ops(), raising=False)
     items = [BatchItem(list(range(17)), 0, [0, 1]), BatchItem(list(range(16)), 0, [2])]

@@ -99,7 +99,7 @@ def paged_attention(
     for span in meta.prefills:
         if span.context_slots is None and own_keys_kernel and span.end - span.start <= PROMPT_KERNEL_MAX_TOKENS:
             rows = slice(span.start, span.end)
-            out[rows] = torch.ops.kvservice.prompt_attention(q[rows], k[rows], v[rows], q.shape[-1] ** -0.5)
+            torch.ops.kvservice.prompt_attention_out(q[rows], k[rows], v[rows], q.shape[-1] ** -0.5, out[rows])
             continue
         q_s = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, Dh]
         if span.context_slots is None:

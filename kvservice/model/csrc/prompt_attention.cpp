@@ -211,7 +211,8 @@ void attend_tile(const float* q, const float* kt, int64_t kt_stride, const float
   }
 }
 
-at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+// Writes softmax(q k^T * scale, causal) v into out, a contiguous [T, Hq, D] float32 tensor.
+void prompt_attention_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, heads, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "prompt_attention is for float32");
@@ -222,7 +223,8 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == head_dim, "each token's heads must be one contiguous row");
   Shapes s{num_heads, head_dim, num_heads / num_kv_heads,
            q.stride(0), k.stride(0), v.stride(0), static_cast<float>(scale)};
-  auto out = at::empty({num_tokens, num_heads, head_dim}, q.options());
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat,
+              "out must be a contiguous float32 tensor of q's shape");
   const float* q_ptr = q.data_ptr<float>();
   const float* k_ptr = k.data_ptr<float>();
   const float* v_ptr = v.data_ptr<float>();
@@ -255,6 +257,12 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
       tile(q_ptr, kt.data() + h * head_dim * kt_stride, kt_stride, v_ptr, s, h, t0, t1, out_ptr, q_scaled, scores);
     }
   });
+}
+
+at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(q.dim() == 3, "q, k, v must be [T, heads, D]");
+  auto out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  prompt_attention_out(q, k, v, scale, out);
   return out;
 }
 
@@ -262,6 +270,12 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 TORCH_LIBRARY_FRAGMENT(kvservice, m) {
   m.def("prompt_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  // The same into a given tensor (a slice of the step's output: no copy after, which from the
+  // engine's step thread cost an OpenMP region a prompt and layer).
+  m.def("prompt_attention_out(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvservice, CPU, m) { m.impl("prompt_attention", &prompt_attention); }
+TORCH_LIBRARY_IMPL(kvservice, CPU, m) {
+  m.impl("prompt_attention", &prompt_attention);
+  m.impl("prompt_attention_out", &prompt_attention_out);
+}
