@@ -482,7 +482,7 @@ void linear_panels(const float* x, int64_t m_size, int64_t k_size, const uint8_t
           // Where y's rows are a multiple of 4 KiB apart, the sums gather in `tile` (rows wide *
           // 16 floats apart) and go to y at the end: otherwise every row of a tile falls in the
           // same L1 set and its stores alias the loads after them (4K aliasing). SmolLM2's
-          // gate/up projection (rows 12 KiB apart), 2,040 rows: 450-458 -> 468-472 GFLOP/s alone,
+          // gate/up projection (rows 12 KiB apart), 2,040 rows: 450-458 -> 466-472 GFLOP/s alone,
           // 8 prompts of 256 tokens in-process 1.23 -> 1.13-1.17 s. Elsewhere the extra pass
           // costs more than it saves (qkv, o: 513-533 -> 496-503).
           const int64_t chunk = kChunk / wide;
