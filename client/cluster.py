@@ -77,7 +77,7 @@ class LocalCluster:
     grace_period: float = 10.0
     children: list[ChildProcess] = field(default_factory=list)
     address: str = ""  # where clients connect: the proxy, or the colocated worker
-    core_lease_path: str | None = None  # the lease file this cluster made (removed on stop)
+    core_lease_path: str | None = None  # the lease file this cluster made (removed once its workers hold it open)
 
     @property
     def prefill_addresses(self) -> list[str]:
@@ -112,6 +112,10 @@ class LocalCluster:
             ))
             decode = [*worker, "--role", "decode", *self._kv_peers_args()]
             await asyncio.gather(*(self._spawn(f"decode-{i}", decode, self.decode_cores) for i in range(self.num_decode)))
+            # Every worker opened the lease file before it reported ready, and the locks live on
+            # those open files: the name can go now, so that even a SIGKILLed launcher leaves
+            # nothing in /dev/shm.
+            self._remove_core_lease()
             proxy_cmd = [sys.executable, "-m", "kvservice", "proxy", "--port", str(self.port), *self.proxy_args, *grace]
             if self.prefill_addresses:
                 proxy_cmd += ["--prefill", *self.prefill_addresses]
@@ -188,6 +192,9 @@ class LocalCluster:
                 with contextlib.suppress(asyncio.CancelledError):
                     await child.drain
         self.children.clear()
+        self._remove_core_lease()
+
+    def _remove_core_lease(self) -> None:
         if self.core_lease_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.core_lease_path)

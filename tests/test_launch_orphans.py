@@ -50,6 +50,13 @@ async def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     return alive
 
 
+def _core_lease_paths(pid: int) -> list[str]:
+    """The --core-lease path in a process's command line, if any."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = f.read().decode().split("\0")
+    return [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--core-lease"]
+
+
 def _kill_all(pids: list[int]) -> None:
     for pid in pids:
         if _is_alive(pid):
@@ -66,9 +73,12 @@ async def test_children_die_with_a_sigkilled_launcher() -> None:
             assert line, "the launcher exited before it was ready"
             pids += [int(p) for p in re.findall(r"\(pid (\d+)", line)]
         assert all(_is_alive(p) for p in pids)
+        leases = {path for pid in pids for path in _core_lease_paths(pid)}
+        assert leases, "the prefill and decode workers share a core lease"
         launcher.kill()
         await launcher.wait()
         assert await _wait_gone(pids, 30) == [], "children outlived their launcher"
+        assert not any(os.path.exists(path) for path in leases), "the lease file outlived the launcher"
     finally:
         _kill_all(pids)
         if launcher.returncode is None:
