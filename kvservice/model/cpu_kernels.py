@@ -2,7 +2,8 @@
 
 - `paged_decode_attention`: decode attention reading K/V in place through the block table.
 - `add_rms_norm_`, `rotary_`: the residual add + RMSNorm, and rotary in place, one call each.
-- `prompt_attention`: causal attention of a fresh prompt over its own keys (AVX-512 fast).
+- `prompt_attention`, `prompt_attention_out`: causal attention of a fresh prompt over its own keys
+  (AVX-512 fast), as a new tensor or into rows of a given one.
 - `block_quant_linear`: a linear layer for a few rows over GGUF block-quantized weights.
 - `silu_mul`: SwiGLU's activation, silu(gate) * up, in one pass over the gate/up projection.
 - `decode_layer_`: a whole decoder layer of a decode step, those kernels in one call.
