@@ -469,14 +469,14 @@ void linear_panels(const float* x, int64_t m_size, int64_t k_size, const uint8_t
           for (int64_t r0 = 0; r0 < m_len; r0 += per) {
             direct_pair_rows<kPacked, kBf16>(std::min(per, m_len - r0), x_block + r0 * k_size, k_size,
                                              codes + p0 * panel_code_bytes, panel_code_bytes, scales + p0 * panel_blocks,
-                                             mins + p0 * panel_blocks, panel_blocks, k_size,
-                                             acc_block + r0 * n_size + p0 * kPanel, n_size);
+                                             mins + p0 * panel_blocks, panel_blocks, k_size, sums + r0 * sums_stride,
+                                             sums_stride);
           }
         } else if (direct) {
           for (int64_t r0 = 0; r0 < m_len; r0 += kDirectGroup) {
             direct_rows<kPacked, kBf16>(std::min(kDirectGroup, m_len - r0), m_size > 3, x_block + r0 * k_size, k_size,
                                         codes + p0 * panel_code_bytes, scales + p0 * panel_blocks,
-                                        mins + p0 * panel_blocks, k_size, acc_block + r0 * n_size + p0 * kPanel, n_size);
+                                        mins + p0 * panel_blocks, k_size, sums + r0 * sums_stride, sums_stride);
           }
         } else {
           // Where y's rows are a multiple of 4 KiB apart, the sums gather in `tile` (rows wide *

@@ -260,8 +260,7 @@ void prompt_attention_out(const at::Tensor& q, const at::Tensor& k, const at::Te
 }
 
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  TORCH_CHECK(q.dim() == 3, "q, k, v must be [T, heads, D]");
-  auto out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto out = at::empty(q.sizes(), q.options());  // prompt_attention_out checks the shapes
   prompt_attention_out(q, k, v, scale, out);
   return out;
 }
