@@ -25,7 +25,10 @@ REQUEST_TIMEOUT_S = 1.0
 
 
 class _SilentWorker(pb_grpc.WorkerServicer):
-    """Healthy by its health check, but its Prefill and Decode never answer."""
+    """Healthy by its health check, but its Prefill, Decode and Stats never answer."""
+
+    def __init__(self) -> None:
+        self.stats_calls = asyncio.Queue[None]()  # one item per Stats call that arrived
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         await asyncio.Event().wait()
@@ -36,6 +39,7 @@ class _SilentWorker(pb_grpc.WorkerServicer):
         yield pb.GenerateResponse()
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        self.stats_calls.put_nowait(None)
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
@@ -93,6 +97,47 @@ async def test_stats_answer_within_the_callers_deadline_when_workers_do_not(sile
     finally:
         await prefill.close()
         await decode.close()
+
+
+async def test_stats_answer_when_a_worker_is_dropped_while_its_stats_call_runs() -> None:
+    """Scale-down closes a leaving worker's channel whenever its last request ends, which may
+    be while the proxy waits on that worker's Stats: gRPC then cancels the call, and the proxy
+    must still answer (the cancelled call used to end the whole Stats, and the caller waited
+    out its deadline)."""
+    silent = _SilentWorker()
+    async with _serving(silent) as address:
+        prefill, decode = WorkerPool([]), WorkerPool([address])
+        try:
+            await decode.check_all(5.0)
+            service = ProxyService(prefill, decode, request_timeout=REQUEST_TIMEOUT_S)
+            started = time.monotonic()
+            gathering = asyncio.ensure_future(service.Stats(pb.StatsRequest(), _Deadline(4.0)))  # type: ignore[arg-type]
+            await asyncio.wait_for(silent.stats_calls.get(), 4.0)  # the worker's Stats call is in flight
+            await decode.workers[0].channel.close()
+            stats = await asyncio.wait_for(gathering, 4.0)
+            assert time.monotonic() - started < 4.0
+            assert [(w.address, w.HasField("stats")) for w in stats.workers] == [(address, False)]
+        finally:
+            await prefill.close()
+            await decode.close()
+
+
+async def test_a_cancelled_stats_call_still_stops() -> None:
+    """The other side of the case above: when the caller goes away, Stats stops at once."""
+    silent = _SilentWorker()
+    async with _serving(silent) as address:
+        prefill, decode = WorkerPool([]), WorkerPool([address])
+        try:
+            await decode.check_all(5.0)
+            service = ProxyService(prefill, decode, request_timeout=REQUEST_TIMEOUT_S)
+            gathering = asyncio.ensure_future(service.Stats(pb.StatsRequest(), _Deadline(60.0)))  # type: ignore[arg-type]
+            await asyncio.wait_for(silent.stats_calls.get(), 4.0)
+            gathering.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(gathering, 4.0)
+        finally:
+            await prefill.close()
+            await decode.close()
 
 
 # ---------------------------------------------------------------- staging is always released

@@ -2,7 +2,9 @@
 
 A slow worker, or one dropped while the proxy gathers (its channel closed), leaves its entry
 without stats rather than the whole answer missing the caller's deadline: each worker's call
-gets a share of the time the caller has left.
+gets a share of the time the caller has left. A channel closed while its call runs cancels the
+call (gRPC raises CancelledError for it, not an RpcError): that too is "no stats", unless it is
+the gathering task itself that is being cancelled.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ async def cluster_stats(prefill: WorkerPool, decode: WorkerPool, time_remaining:
         )
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.TimeoutError):
             call = worker.stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=worker.metadata)
-            entry.stats.CopyFrom(await asyncio.wait_for(call, timeout))
+            try:
+                entry.stats.CopyFrom(await asyncio.wait_for(call, timeout))
+            except asyncio.CancelledError:
+                if not call.cancelled() or _is_cancelling():
+                    raise
         return entry
 
     members = [(w, "prefill") for w in prefill.workers] + [(w, "decode") for w in decode.workers]
@@ -53,3 +59,9 @@ async def cluster_stats(prefill: WorkerPool, decode: WorkerPool, time_remaining:
             for name in _TRANSFER_FIELDS:
                 setattr(total, name, getattr(total, name) + getattr(part, name))
     return stats
+
+
+def _is_cancelling() -> bool:
+    """Whether the running task itself has been asked to stop."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
