@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import pathlib
 import threading
 from collections.abc import AsyncIterator, Callable
 
@@ -61,6 +62,13 @@ async def _collect(engine: AsyncLLMEngine, prompt: list[int], max_tokens: int) -
     async for out in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)):
         token_ids = out.token_ids
     return token_ids
+
+
+async def test_the_step_thread_has_its_name_in_the_os(engine: AsyncLLMEngine) -> None:
+    """So `top -H`, `perf` and scripts/sched_trace.py tell it from the event loop's thread."""
+    assert await _collect(engine, [1, 2, 3], 2)  # the step thread has run
+    names = [(task / "comm").read_text().strip() for task in pathlib.Path("/proc/self/task").iterdir()]
+    assert "engine-step" in names
 
 
 async def test_a_failed_step_fails_running_queued_and_later_calls(engine: AsyncLLMEngine) -> None:

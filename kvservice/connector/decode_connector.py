@@ -30,6 +30,7 @@ from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN, KVConnector
 from kvservice.connector.channel_cache import ChannelCache
 from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
 from kvservice.connector.shared_memory import sweep_orphaned_segments
+from kvservice.core.native_thread import name_native_thread
 from kvservice.core.outputs import (
     KVConnectorMetadata,
     KVConnectorStats,
@@ -60,6 +61,7 @@ class TransferLoop:
         self._thread.start()
 
     def _run(self) -> None:
+        name_native_thread()
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 

@@ -30,6 +30,7 @@ from kvservice.connector.transfer_registry import (
     TransferRegistry,
 )
 from kvservice.core.kv_cache_manager import cdiv
+from kvservice.core.native_thread import name_native_thread
 from kvservice.core.outputs import (
     KVConnectorMetadata,
     KVConnectorStats,
@@ -128,7 +129,7 @@ class PrefillKVConnector(KVConnectorBase):
         if kv_caches[0].is_cuda:
             self._copy_stream = torch.cuda.Stream(device=kv_caches[0].device)
         else:
-            self._copy_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-stage")
+            self._copy_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-stage", initializer=name_native_thread)
 
     # ------------------------------------------------------------ scheduler side
 

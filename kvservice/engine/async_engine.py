@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvservice.core.block_pool import KVCacheEvent
+from kvservice.core.native_thread import name_native_thread
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine, RequestOutput
 from kvservice.engine.errors import EngineDeadError, QueueFull
@@ -189,6 +190,7 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------ the step thread
 
     def _run(self) -> None:
+        name_native_thread()
         try:
             while not self._stopping:
                 self._apply_commands()

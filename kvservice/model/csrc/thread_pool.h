@@ -24,6 +24,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__linux__)
+#include <pthread.h>
+#endif
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define KVSERVICE_CPU_RELAX() _mm_pause()
@@ -89,6 +93,9 @@ class ThreadPool {
   }
 
   void work() {
+#if defined(__linux__)
+    pthread_setname_np(pthread_self(), "kvs-pool");  // for per-thread tools: top -H, perf, scripts/sched_trace.py
+#endif
     uint64_t seen = generation_.load(std::memory_order_acquire);
     while (true) {
       // Spin for a while (a decode step's jobs come microseconds apart), then sleep.
