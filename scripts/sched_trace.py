@@ -134,26 +134,43 @@ def off_cpu_cause(switch: Switch) -> str:
     return switch.user_frame or "kernel"
 
 
-def report(switches: list[Switch], labels: dict[int, str]) -> None:
-    if not switches:
-        sys.exit("no context switches recorded")
-    window = switches[-1].time - switches[0].time
+@dataclass
+class Accounting:
+    """What `account` sums over a trace, in seconds."""
+
+    window: float
+    num_cpus: int
+    on_cpu: collections.Counter[int]  # thread -> time on a CPU
+    off_cpu: collections.Counter[tuple[int, str]]  # (thread, cause) -> time off it
+    idle: collections.Counter[str]  # what the compute threads did -> idle CPU time meanwhile
+
+
+def account(switches: list[Switch], compute: set[int]) -> Accounting:
+    """Sum a trace's switches; `compute`: the compute threads. Time before a thread's first
+    switch is not counted (its state then is unknown)."""
     on_cpu: collections.Counter[int] = collections.Counter()
     off_cpu: collections.Counter[tuple[int, str]] = collections.Counter()
     idle: collections.Counter[str] = collections.Counter()
     since: dict[int, float] = {}  # thread -> when it went on (or off) its CPU
     away: dict[int, str] = {}  # thread -> why it is off CPU
     state: dict[int, str] = {}  # compute thread -> "running", "preempted" or "sleeping"
-    idle_since: dict[int, tuple[float, str]] = {}
-    compute = {tid for tid, label in labels.items() if label.split("/", 1)[1] in COMPUTE_THREADS}
+    idle_since: dict[int, float] = {}  # idle CPU -> since when (or since the compute threads last changed)
+
+    def doing() -> str:
+        states = [state.get(t, "sleeping") for t in compute]
+        if "preempted" in states:
+            return "a compute thread preempted"
+        return "compute running on the other CPU" if "running" in states else "no compute thread runnable"
+
     for s in switches:
-        if s.cpu in idle_since:
-            start, why = idle_since.pop(s.cpu)
-            idle[why] += s.time - start
+        label = doing()
+        for start in idle_since.values():
+            idle[label] += s.time - start
+        idle_since = {cpu: s.time for cpu in idle_since if cpu != s.cpu}
         if s.prev in since and s.prev not in away:
             on_cpu[s.prev] += s.time - since[s.prev]
         if s.next in away:
-            off_cpu[(s.next, away.pop(s.next))] += s.time - since.get(s.next, s.time)
+            off_cpu[(s.next, away.pop(s.next))] += s.time - since[s.next]
         since[s.prev] = since[s.next] = s.time
         if s.prev != 0:
             away[s.prev] = off_cpu_cause(s)
@@ -162,25 +179,30 @@ def report(switches: list[Switch], labels: dict[int, str]) -> None:
         if s.next in compute:
             state[s.next] = "running"
         if s.next == 0:
-            states = [state.get(t, "sleeping") for t in compute]
-            why = ("a compute thread preempted" if "preempted" in states
-                   else "compute running on the other CPU" if "running" in states else "no compute thread runnable")
-            idle_since[s.cpu] = (s.time, why)
-    cpus = len({s.cpu for s in switches})
-    print(f"{window:.2f} s on {cpus} CPUs: {window * cpus:.2f} CPU-s\n\non CPU, by process and thread:")
+            idle_since[s.cpu] = s.time
+    window = switches[-1].time - switches[0].time if switches else 0.0
+    return Accounting(window, len({s.cpu for s in switches}), on_cpu, off_cpu, idle)
+
+
+def report(switches: list[Switch], labels: dict[int, str]) -> None:
+    if not switches:
+        sys.exit("no context switches recorded")
+    compute = {tid for tid, label in labels.items() if label.split("/", 1)[1] in COMPUTE_THREADS}
+    totals = account(switches, compute)
+    print(f"{totals.window:.2f} s on {totals.num_cpus} CPUs: {totals.window * totals.num_cpus:.2f} CPU-s\n\non CPU, by process and thread:")
     by_label: collections.Counter[str] = collections.Counter()
-    for tid, seconds in on_cpu.items():
+    for tid, seconds in totals.on_cpu.items():
         if tid != 0:
             by_label[labels.get(tid, "other/?")] += seconds
     for label, seconds in by_label.most_common(15):
         print(f"  {seconds:7.3f} s  {label}")
-    print(f"  {sum(idle.values()):7.3f} s  idle")
+    print(f"  {sum(totals.idle.values()):7.3f} s  idle")
     print("\ncompute threads off CPU, by cause:")
     for tid in sorted(compute, key=lambda t: labels[t]):
-        causes = sorted(((cause, v) for (t, cause), v in off_cpu.items() if t == tid), key=lambda x: -x[1])
+        causes = sorted(((cause, v) for (t, cause), v in totals.off_cpu.items() if t == tid), key=lambda x: -x[1])
         print(f"  {labels[tid]} ({tid}): " + ", ".join(f"{cause} {v:.3f} s" for cause, v in causes[:4]))
     print("\nidle CPU time, by what the compute threads did meanwhile:")
-    for why, seconds in idle.most_common():
+    for why, seconds in totals.idle.most_common():
         print(f"  {seconds:7.3f} s  {why}")
 
 
