@@ -99,45 +99,43 @@ async def test_stats_answer_within_the_callers_deadline_when_workers_do_not(sile
         await decode.close()
 
 
+@contextlib.asynccontextmanager
+async def _stats_in_flight(caller_deadline_s: float) -> AsyncIterator[tuple[asyncio.Future[pb.StatsResponse], WorkerPool, str]]:
+    """The proxy's Stats over one silent decode worker, once the worker has its Stats call:
+    (the proxy's Stats, still running; the decode pool; the worker's address)."""
+    silent = _SilentWorker()
+    async with _serving(silent) as address:
+        prefill, decode = WorkerPool([]), WorkerPool([address])
+        try:
+            await decode.check_all(5.0)
+            service = ProxyService(prefill, decode, request_timeout=REQUEST_TIMEOUT_S)
+            gathering = asyncio.ensure_future(service.Stats(pb.StatsRequest(), _Deadline(caller_deadline_s)))  # type: ignore[arg-type]
+            await asyncio.wait_for(silent.stats_calls.get(), 4.0)  # the worker's Stats call is in flight
+            yield gathering, decode, address
+        finally:
+            await prefill.close()
+            await decode.close()
+
+
 async def test_stats_answer_when_a_worker_is_dropped_while_its_stats_call_runs() -> None:
     """Scale-down closes a leaving worker's channel whenever its last request ends, which may
     be while the proxy waits on that worker's Stats: gRPC then cancels the call, and the proxy
     must still answer (the cancelled call used to end the whole Stats, and the caller waited
     out its deadline)."""
-    silent = _SilentWorker()
-    async with _serving(silent) as address:
-        prefill, decode = WorkerPool([]), WorkerPool([address])
-        try:
-            await decode.check_all(5.0)
-            service = ProxyService(prefill, decode, request_timeout=REQUEST_TIMEOUT_S)
-            started = time.monotonic()
-            gathering = asyncio.ensure_future(service.Stats(pb.StatsRequest(), _Deadline(4.0)))  # type: ignore[arg-type]
-            await asyncio.wait_for(silent.stats_calls.get(), 4.0)  # the worker's Stats call is in flight
-            await decode.workers[0].channel.close()
-            stats = await asyncio.wait_for(gathering, 4.0)
-            assert time.monotonic() - started < 4.0
-            assert [(w.address, w.HasField("stats")) for w in stats.workers] == [(address, False)]
-        finally:
-            await prefill.close()
-            await decode.close()
+    started = time.monotonic()
+    async with _stats_in_flight(4.0) as (gathering, decode, address):
+        await decode.workers[0].channel.close()
+        stats = await asyncio.wait_for(gathering, 4.0)
+    assert time.monotonic() - started < 4.0
+    assert [(w.address, w.HasField("stats")) for w in stats.workers] == [(address, False)]
 
 
 async def test_a_cancelled_stats_call_still_stops() -> None:
     """The other side of the case above: when the caller goes away, Stats stops at once."""
-    silent = _SilentWorker()
-    async with _serving(silent) as address:
-        prefill, decode = WorkerPool([]), WorkerPool([address])
-        try:
-            await decode.check_all(5.0)
-            service = ProxyService(prefill, decode, request_timeout=REQUEST_TIMEOUT_S)
-            gathering = asyncio.ensure_future(service.Stats(pb.StatsRequest(), _Deadline(60.0)))  # type: ignore[arg-type]
-            await asyncio.wait_for(silent.stats_calls.get(), 4.0)
-            gathering.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await asyncio.wait_for(gathering, 4.0)
-        finally:
-            await prefill.close()
-            await decode.close()
+    async with _stats_in_flight(60.0) as (gathering, _, _):
+        gathering.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(gathering, 4.0)
 
 
 # ---------------------------------------------------------------- staging is always released
