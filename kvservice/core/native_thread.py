@@ -5,7 +5,7 @@ shows as "python" there. `scripts/sched_trace.py` reads these names."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import sys
 import threading
 
@@ -20,7 +20,13 @@ def name_native_thread(name: str | None = None) -> None:
         return
     encoded = (name if name is not None else threading.current_thread().name).encode("utf-8", "replace")[:_MAX_NAME_BYTES]
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(encoded), 0, 0, 0)
+        _process_symbols().prctl(_PR_SET_NAME, ctypes.c_char_p(encoded), 0, 0, 0)
     except (OSError, AttributeError):
         return
+
+
+@functools.cache
+def _process_symbols() -> ctypes.CDLL:
+    """The symbols already loaded in this process, libc's among them (no library search: on
+    Linux, ctypes.util.find_library runs ldconfig in a subprocess)."""
+    return ctypes.CDLL(None, use_errno=True)
