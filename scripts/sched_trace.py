@@ -60,7 +60,7 @@ def main() -> None:
     report_args = commands.add_parser("report", help="where the recorded time went")
     report_args.add_argument("data", type=pathlib.Path, nargs="?", default=pathlib.Path("sched.data"), help="what record saved (default: sched.data)")
     args = parser.parse_args()
-    roles_file = args.output.with_suffix(".roles.json") if args.command == "record" else args.data.with_suffix(".roles.json")
+    roles_file = (args.output if args.command == "record" else args.data).with_suffix(".roles.json")
     if args.command == "record":
         time.sleep(args.delay)  # the caller's choice of when to look, not synchronisation
         roles_file.write_text(json.dumps(process_roles()))
@@ -108,8 +108,7 @@ def parse(script: str) -> tuple[list[Switch], dict[int, str], dict[int, int]]:
             return
         user = [f for f in frames if "kernel.kallsyms" not in f]
         prev, nxt = int(switch["prev"]), int(switch["next"])
-        names.setdefault(prev, switch["prev_comm"])
-        names.setdefault(nxt, switch["next_comm"])
+        names[prev], names[nxt] = switch["prev_comm"], switch["next_comm"]
         pids[int(header["tid"])] = int(header["pid"])
         symbol = user[0].split(None, 1)[1] if user and len(user[0].split(None, 1)) > 1 else ""
         switches.append(Switch(float(header["time"]), int(header["cpu"]), prev, switch["state"], nxt, re.sub(r"\s*\(.*", "", symbol)))
