@@ -224,6 +224,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
 
     async def prepare_drain(deadline: float) -> None:
         kv_events.close()  # event streams never end by themselves: end them before the drain waits for them
+        if isinstance(worker_service, DecodeWorkerService):
+            worker_service.drain()  # nor do DecodeStreams: each ends once its requests have
         # Decode workers were promised this KV: refusing their pulls would make them recompute.
         if prefill_service is not None and async_engine.error is None:
             await prefill_service.drain()

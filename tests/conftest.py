@@ -184,7 +184,7 @@ async def kill_all(processes: Sequence[asyncio.subprocess.Process]) -> None:
 # The RPCs each worker role serves besides health.
 WORKER_RPCS = {
     "prefill": ("Prefill", "ReleaseKV", "Stats", "SubscribeKVEvents", "PullKV", "Reflection"),
-    "decode": ("Decode", "Stats", "SubscribeKVEvents", "Reflection"),
+    "decode": ("Decode", "DecodeStream", "Stats", "SubscribeKVEvents", "Reflection"),
 }
 
 
@@ -205,6 +205,8 @@ def worker_calls(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...
             pb.DecodeRequest(request=request, kv_transfer_params=pb.KVTransferParams(remote_address="unix:/tmp/x", transfer_token=b"t")),
             timeout=10, metadata=metadata,
         )),
+        # No request message, as for Reflection below: served, an empty stream ends OK.
+        "DecodeStream": lambda: drain(worker.DecodeStream(iter([]), timeout=10, metadata=metadata)),
         "ReleaseKV": lambda: worker.ReleaseKV(pb.ReleaseKVRequest(request_id="victim", transfer_token=b"t"), timeout=10, metadata=metadata),
         "Stats": lambda: worker.Stats(pb.StatsRequest(), timeout=10, metadata=metadata),
         "SubscribeKVEvents": lambda: drain(worker.SubscribeKVEvents(pb.KVEventsRequest(), timeout=10, metadata=metadata)),

@@ -23,6 +23,7 @@ from conftest import local_cluster
 from kvservice.client.cluster import LocalCluster
 from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
 from kvservice.server.grpc_server import MAX_RECEIVE_MESSAGE_BYTES
+from kvservice.server.proxy.decode_stream import DecodeStreams
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
@@ -71,10 +72,20 @@ def hostile_calls(channels: dict[str, grpc.aio.Channel], request: pb.GenerateReq
         "proxy.Complete": lambda: pb_grpc.GenerationStub(channels["proxy"]).Complete(request, timeout=30),
         "prefill.Prefill": lambda: pb_grpc.WorkerStub(channels["prefill"]).Prefill(prefill, timeout=30),
         "decode.Decode": lambda: _drain(pb_grpc.WorkerStub(channels["decode"]).Decode(decode, timeout=30)),
+        "decode.DecodeStream": lambda: _on_a_decode_stream(channels["decode"], decode),
     }
 
 
-async def _drain(call: grpc.aio.UnaryStreamCall) -> None:
+async def _on_a_decode_stream(channel: grpc.aio.Channel, request: pb.DecodeRequest) -> None:
+    """`request` as the proxy sends it, on a DecodeStream: a refusal raises as Decode's would."""
+    streams = DecodeStreams(pb_grpc.WorkerStub(channel), None)
+    try:
+        await _drain(streams.open(request, 30.0))
+    finally:
+        await streams.close()
+
+
+async def _drain(call: AsyncIterator[object]) -> None:
     async for _ in call:
         pass
 

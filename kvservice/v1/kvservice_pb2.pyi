@@ -318,6 +318,40 @@ class DecodeRequest(_message.Message):
     kv_transfer_params: KVTransferParams
     def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
 
+class DecodeStreamRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: DecodeRequest
+    cancel: str
+    def __init__(self, start: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
+
+class DecodeStreamEvent(_message.Message):
+    __slots__ = ("request_id", "response", "error", "done")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: GenerateResponse
+    error: DecodeStreamError
+    done: bool
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error: _Optional[_Union[DecodeStreamError, _Mapping]] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class DecodeStreamError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DecodeStreamBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[DecodeStreamEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[DecodeStreamEvent, _Mapping]]] = ...) -> None: ...
+
 class ReleaseKVRequest(_message.Message):
     __slots__ = ("request_id", "transfer_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

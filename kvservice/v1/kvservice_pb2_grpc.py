@@ -202,6 +202,11 @@ class WorkerStub:
                 request_serializer=kvservice_dot_v1_dot_kvservice__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/kvservice.v1.Worker/DecodeStream',
+                request_serializer=kvservice_dot_v1_dot_kvservice__pb2.DecodeStreamRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.DecodeStreamBatch.FromString,
+                _registered_method=True)
         self.ReleaseKV = channel.unary_unary(
                 '/kvservice.v1.Worker/ReleaseKV',
                 request_serializer=kvservice_dot_v1_dot_kvservice__pb2.ReleaseKVRequest.SerializeToString,
@@ -232,6 +237,16 @@ class WorkerServicer:
     def Decode(self, request, context):
         """Decode: pull the KV from the prefill worker, then stream every token (the first
         one as the prefill sampled it, from the transfer's done frame).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeStream(self, request_iterator, context):
+        """Decode for many requests at once, multiplexed: starts and cancels go up, every
+        request's responses come down, batched per engine step. The stream ends once the
+        proxy half-closes it, or the worker drains, with none of its requests left. The worker
+        sends its initial metadata at once: the proxy writes only after it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -270,6 +285,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.DecodeRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_kvservice__pb2.GenerateResponse.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.DecodeStreamRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kvservice__pb2.DecodeStreamBatch.SerializeToString,
             ),
             'ReleaseKV': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKV,
@@ -341,6 +361,33 @@ class Worker:
             '/kvservice.v1.Worker/Decode',
             kvservice_dot_v1_dot_kvservice__pb2.DecodeRequest.SerializeToString,
             kvservice_dot_v1_dot_kvservice__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvservice.v1.Worker/DecodeStream',
+            kvservice_dot_v1_dot_kvservice__pb2.DecodeStreamRequest.SerializeToString,
+            kvservice_dot_v1_dot_kvservice__pb2.DecodeStreamBatch.FromString,
             options,
             channel_credentials,
             insecure,

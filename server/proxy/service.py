@@ -156,9 +156,7 @@ class ProxyService(StreamingGenerationService):
                     yield response
 
     async def _decode_only(self, decode_worker: WorkerHandle, inner: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        call = decode_worker.stub.Decode(
-            pb.DecodeRequest(request=inner), timeout=self.request_timeout, metadata=decode_worker.metadata
-        )
+        call = decode_worker.decode_streams.open(pb.DecodeRequest(request=inner), self.request_timeout)
         try:
             is_counted = False
             async for response in call:
@@ -180,13 +178,12 @@ class ProxyService(StreamingGenerationService):
         self, prefill_worker: WorkerHandle, decode_worker: WorkerHandle, inner: pb.GenerateRequest
     ) -> AsyncIterator[pb.GenerateResponse]:
         token = secrets.token_bytes(32)
-        decode_call = decode_worker.stub.Decode(
+        decode_call = decode_worker.decode_streams.open(
             pb.DecodeRequest(
                 request=inner,
                 kv_transfer_params=pb.KVTransferParams(remote_address=prefill_worker.address, transfer_token=token),
             ),
-            timeout=self.request_timeout,
-            metadata=decode_worker.metadata,
+            self.request_timeout,
         )
         prefill = asyncio.ensure_future(
             prefill_worker.stub.Prefill(

@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvservice.runtime.grpc_options import GRPC_OPTIONS
 from kvservice.runtime.tls import bearer_metadata
+from kvservice.server.proxy.decode_stream import DecodeStreams
 from kvservice.server.proxy.kv_index import KVBlockIndex
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
@@ -60,6 +61,15 @@ class WorkerHandle:
     kv_index: KVBlockIndex = field(default_factory=KVBlockIndex)  # fed by its KV event subscription
     has_joined: bool = True  # static members join at once; discovered ones after SERVING (+ snapshot)
     is_leaving: bool = False  # gone from DNS: finishing what it has, then dropped
+    decode_streams: DecodeStreams = field(init=False)  # decode calls to it, on one stream
+
+    def __post_init__(self) -> None:
+        self.decode_streams = DecodeStreams(self.stub, self.metadata, self.address)
+
+    async def close(self) -> None:
+        """Close its decode stream, then its channel."""
+        await self.decode_streams.close()
+        await self.channel.close()
 
     @property
     def is_routable(self) -> bool:
@@ -187,7 +197,7 @@ class WorkerPool:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await worker.channel.close()
+        await worker.close()
         logger.info("%s worker %s dropped", self.role or "a", worker.address)
 
     def _own(self, worker: WorkerHandle, task: asyncio.Task[None]) -> None:
@@ -236,7 +246,7 @@ class WorkerPool:
                     await task
         self._tasks.clear()
         for worker in self.workers:
-            await worker.channel.close()
+            await worker.close()
 
 
 def _set_health(worker: WorkerHandle, status: int) -> None:
