@@ -17,6 +17,7 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -80,7 +81,7 @@ class DecodeWorkerService(EngineWorkerService):
         reader.add_done_callback(lambda _: outbox.wake())
         try:
             while True:
-                if outbox.events:
+                if outbox.has_events:
                     yield outbox.take()
                 elif reader.done() and not running:
                     reader.result()  # a broken request stream ends this one with its error
@@ -126,11 +127,11 @@ class DecodeWorkerService(EngineWorkerService):
         request_id = request.request.request_id
         try:
             async for response in self._responses(request):
-                outbox.add(pb.DecodeStreamEvent(request_id=request_id, response=response))
+                outbox.add(request_id, response=response)
         except Exception as e:
             outbox.fail(request_id, e)
         else:
-            outbox.add(pb.DecodeStreamEvent(request_id=request_id, done=True))
+            outbox.add(request_id, done=True)
 
     async def _responses(self, request: pb.DecodeRequest) -> AsyncIterator[pb.GenerateResponse]:
         """One request's responses, as Decode streams them; errors raise."""
@@ -156,22 +157,26 @@ class _Outbox:
     """What a DecodeStream's requests produced since its last message."""
 
     def __init__(self) -> None:
-        self.events: list[pb.DecodeStreamEvent] = []
+        self.batch = pb.DecodeStreamBatch()  # events are built in it: one copy of each response
         self.changed = asyncio.Event()
 
-    def add(self, event: pb.DecodeStreamEvent) -> None:
-        self.events.append(event)
+    @property
+    def has_events(self) -> bool:
+        """Whether anything waits to be sent."""
+        return len(self.batch.events) > 0
+
+    def add(self, request_id: str, **kind: Any) -> None:
+        """One event: `response=`, `error=` or `done=True`."""
+        self.batch.events.add(request_id=request_id, **kind)
         self.changed.set()
 
     def fail(self, request_id: str, error: Exception) -> None:
         """The request ends with the status a Decode call would have ended with."""
-        failure = pb.DecodeStreamError(code=status_for(error).value[0], message=message_for(error))
-        self.add(pb.DecodeStreamEvent(request_id=request_id, error=failure))
+        self.add(request_id, error=pb.DecodeStreamError(code=status_for(error).value[0], message=message_for(error)))
 
     def wake(self) -> None:
         self.changed.set()
 
     def take(self) -> pb.DecodeStreamBatch:
-        batch = pb.DecodeStreamBatch(events=self.events)
-        self.events = []
+        batch, self.batch = self.batch, pb.DecodeStreamBatch()
         return batch

@@ -62,8 +62,12 @@ class _Unsupported:
     """The worker does not serve DecodeStream: go on with a Decode call."""
 
 
-_DONE, _UNSUPPORTED = _Done(), _Unsupported()
-_Item = pb.GenerateResponse | grpc.aio.AioRpcError | _Done | _Unsupported
+class _PastDeadline:
+    """The call's deadline passed (the request is cancelled on the worker)."""
+
+
+_DONE, _UNSUPPORTED, _PAST_DEADLINE = _Done(), _Unsupported(), _PastDeadline()
+_Item = pb.GenerateResponse | grpc.aio.AioRpcError | _Done | _Unsupported | _PastDeadline
 
 
 class _Stream:
@@ -193,6 +197,8 @@ class _MuxedCall:
         loop = asyncio.get_running_loop()
         self._deadline = loop.time() + timeout if timeout is not None else None
         self._stream, self._queue = streams._start(request)
+        # One timer for the call (a timeout around every read cost ~3 us a token).
+        self._timer = loop.call_at(self._deadline, self._expire) if self._deadline is not None else None
         self._fallback: DecodeCall | None = None  # a Decode call, where the worker has no DecodeStream
         self._fallback_responses: AsyncIterator[pb.GenerateResponse] | None = None
         self._is_over = False
@@ -205,15 +211,12 @@ class _MuxedCall:
             return await self._fallback_responses.__anext__()
         if self._is_over:
             raise StopAsyncIteration
-        try:
-            async with asyncio.timeout_at(self._deadline):
-                item = await self._queue.get()
-        except TimeoutError:
-            self.cancel()
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        item = await self._queue.get()
         if isinstance(item, pb.GenerateResponse):
             return item
-        self._is_over = True
+        self._end()
+        if isinstance(item, _PastDeadline):
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         if isinstance(item, _Unsupported):
             remaining = None if self._deadline is None else max(0.0, self._deadline - asyncio.get_running_loop().time())
             self._fallback = self._streams.open(self._request, remaining)
@@ -229,6 +232,16 @@ class _MuxedCall:
             return self._fallback.cancel()
         if self._is_over:
             return False
-        self._is_over = True
+        self._end()
         self._streams._cancel(self._stream, self._request.request.request_id)
         return True
+
+    def _expire(self) -> None:
+        """The deadline: abort the request on the worker; the next read raises DEADLINE_EXCEEDED."""
+        self._streams._cancel(self._stream, self._request.request.request_id)
+        self._queue.put_nowait(_PAST_DEADLINE)
+
+    def _end(self) -> None:
+        self._is_over = True
+        if self._timer is not None:
+            self._timer.cancel()
