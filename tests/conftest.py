@@ -29,6 +29,7 @@ from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
 from kvservice.loading.model_files import load_model_config, smollm2_path
 from kvservice.loading.model_loader import resolve_dtype
 from kvservice.model.kv_cache import KVCacheLayout
+from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
@@ -177,6 +178,19 @@ async def kill_all(processes: Sequence[asyncio.subprocess.Process]) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def serving_worker(servicer: pb_grpc.WorkerServicer) -> AsyncIterator[str]:
+    """`servicer` as a worker's gRPC server on 127.0.0.1 (a port the OS picks); its address."""
+    server = GrpcServer([SERVICE_NAMES["worker"]])
+    pb_grpc.add_WorkerServicer_to_server(servicer, server.server)
+    port = server.bind("127.0.0.1", 0)
+    await server.server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.server.stop(None)
 
 
 # ---------------------------------------------------------------- worker RPCs as a hostile caller makes them

@@ -9,23 +9,21 @@ without the stream.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 import pytest_asyncio
+from conftest import serving_worker, tiny_greedy, wait_for
 
 from kvservice.config import EngineConfig
 from kvservice.engine.async_engine import AsyncLLMEngine
 from kvservice.engine.engine import LLMEngine
 from kvservice.server.decode_service import DecodeWorkerService
-from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer
 from kvservice.server.proxy import decode_stream
 from kvservice.server.proxy.decode_stream import DecodeStreams
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
-from tests.conftest import tiny_greedy, wait_for
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
@@ -39,18 +37,6 @@ def _request(request_id: str, prompt: list[int], max_tokens: int) -> pb.DecodeRe
     return pb.DecodeRequest(request=pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt), sampling_params=params))
 
 
-@contextlib.asynccontextmanager
-async def _serving(servicer: pb_grpc.WorkerServicer) -> AsyncIterator[str]:
-    server = GrpcServer([SERVICE_NAMES["worker"]])
-    pb_grpc.add_WorkerServicer_to_server(servicer, server.server)
-    port = server.bind("127.0.0.1", 0)
-    await server.server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.server.stop(None)
-
-
 @pytest_asyncio.fixture
 async def decode_worker() -> AsyncIterator[tuple[DecodeWorkerService, pb_grpc.WorkerStub]]:
     """A decode worker's service on a tiny engine, and a stub to it."""
@@ -58,7 +44,7 @@ async def decode_worker() -> AsyncIterator[tuple[DecodeWorkerService, pb_grpc.Wo
     engine.start()
     service = DecodeWorkerService(engine)
     try:
-        async with _serving(service) as address, grpc.aio.insecure_channel(address) as channel:
+        async with serving_worker(service) as address, grpc.aio.insecure_channel(address) as channel:
             yield service, pb_grpc.WorkerStub(channel)
     finally:
         await engine.stop()
@@ -244,7 +230,7 @@ class _DecodeOnly(pb_grpc.WorkerServicer):
 
 
 async def test_a_worker_without_decode_stream_gets_decode_calls() -> None:
-    async with _serving(_DecodeOnly()) as address, grpc.aio.insecure_channel(address) as channel:
+    async with serving_worker(_DecodeOnly()) as address, grpc.aio.insecure_channel(address) as channel:
         streams = DecodeStreams(pb_grpc.WorkerStub(channel), None, address)
         try:
             first = [streams.open(_request(f"r{i}", [1, 2], 2), 10.0) for i in range(2)]  # both wait on the stream
@@ -275,7 +261,7 @@ class _Breaking(pb_grpc.WorkerServicer):
 
 async def test_requests_on_a_broken_stream_fail_with_its_status_and_the_next_opens_another() -> None:
     worker = _Breaking()
-    async with _serving(worker) as address, grpc.aio.insecure_channel(address) as channel:
+    async with serving_worker(worker) as address, grpc.aio.insecure_channel(address) as channel:
         streams = DecodeStreams(pb_grpc.WorkerStub(channel), None, address)
         try:
             for attempt in range(2):

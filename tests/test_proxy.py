@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import pytest_asyncio
+from conftest import serving_worker
 
-from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer
 from kvservice.server.metrics import start_http
 from kvservice.server.openai_front import OpenAIFront
 from kvservice.server.proxy.service import ProxyService
@@ -56,7 +56,7 @@ class _Deadline:
 
 @pytest_asyncio.fixture
 async def silent_worker() -> AsyncIterator[str]:
-    async with _serving(_SilentWorker()) as address:
+    async with serving_worker(_SilentWorker()) as address:
         yield address
 
 
@@ -104,7 +104,7 @@ async def _stats_in_flight(caller_deadline_s: float) -> AsyncIterator[tuple[asyn
     """The proxy's Stats over one silent decode worker, once the worker has its Stats call:
     (the proxy's Stats, still running; the decode pool; the worker's address)."""
     silent = _SilentWorker()
-    async with _serving(silent) as address:
+    async with serving_worker(silent) as address:
         prefill, decode = WorkerPool([]), WorkerPool([address])
         try:
             await decode.check_all(5.0)
@@ -166,21 +166,9 @@ class _RecomputingDecode(pb_grpc.WorkerServicer):
         yield pb.GenerateResponse(request_id=rid, token_ids=[8], num_prompt_tokens=3, finish_reason=pb.FINISH_REASON_LENGTH)
 
 
-@contextlib.asynccontextmanager
-async def _serving(servicer: pb_grpc.WorkerServicer) -> AsyncIterator[str]:
-    server = GrpcServer([SERVICE_NAMES["worker"]])
-    pb_grpc.add_WorkerServicer_to_server(servicer, server.server)
-    port = server.bind("127.0.0.1", 0)
-    await server.server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.server.stop(None)
-
-
 async def test_staging_is_released_when_the_decode_worker_recomputed() -> None:
     prefill_worker = _RecordingPrefill()
-    async with _serving(prefill_worker) as prefill_address, _serving(_RecomputingDecode()) as decode_address:
+    async with serving_worker(prefill_worker) as prefill_address, serving_worker(_RecomputingDecode()) as decode_address:
         prefill, decode = WorkerPool([prefill_address]), WorkerPool([decode_address])
         try:
             await asyncio.gather(prefill.check_all(5.0), decode.check_all(5.0))
