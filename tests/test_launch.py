@@ -52,8 +52,8 @@ def test_engine_flags_given_to_launch_are_every_workers_engine_config() -> None:
 
 
 def test_launch_passes_no_engine_flag_left_at_its_default() -> None:
-    args = _parse(launch.add_arguments, "--num-decode", "2", "--", "--kv-staging-mib", "8")
-    assert launch.worker_argv(args) == ["--kv-staging-mib", "8"]
+    args = _parse(launch.add_arguments, "--num-decode", "2", "--no-kv-transfer-shm", "--", "--kv-staging-mib", "8")
+    assert launch.worker_argv(args) == ["--kv-staging-mib", "8"]  # (the shared-memory switch is launch's own)
 
 
 def test_routing_flags_given_to_launch_reach_the_proxy() -> None:
@@ -77,11 +77,12 @@ def test_worker_peer_names_given_to_launch_reach_every_worker() -> None:
     assert worker.worker_peer_names == ["kvservice", "proxy.internal"]
 
 
-@pytest.mark.parametrize("flags", [[], ["--kv-transfer-shm"]])
-def test_kv_transfer_shm_given_to_launch_reaches_the_workers(flags: list[str]) -> None:
+@pytest.mark.parametrize(("flags", "is_on"), [([], True), (["--kv-transfer-shm"], True), (["--no-kv-transfer-shm"], False)])
+def test_kv_transfer_shm_is_launchs_default_and_reaches_the_workers(flags: list[str], is_on: bool) -> None:
+    """Every launched worker runs on this host: KV through shared memory unless turned off."""
     args = _parse(launch.add_arguments, *flags)
     worker = _parse(worker_server.add_arguments, "--role", "decode", *launch.worker_argv(args))
-    assert worker.kv_transfer_shm is bool(flags)
+    assert worker.kv_transfer_shm is is_on
 
 
 def test_launch_refuses_worker_peer_names_without_mutual_tls(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,6 +22,7 @@ from pd_pair import BLOCK_SIZE, LAYOUT, PREFILL_PARAMS, WAIT, bits, drive_decode
 from kvservice import LLM, SamplingParams
 from kvservice.connector.base import TRANSFER_TOKEN
 from kvservice.connector.kv_puller import LoadSpec, pull_kv
+from kvservice.connector.shared_memory import SegmentPool
 from kvservice.core.block_hash import block_hashes, hash_seed
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.outputs import KVTransferCounters
@@ -245,8 +246,13 @@ async def test_a_pull_that_starts_mid_chunk_receives_only_the_blocks_it_asked_fo
         caches = allocate_kv_caches(LAYOUT, 8, torch.device("cpu"))
         spec = LoadSpec("r", pair.address, token, block_ids=[7, 6, 5, 4, 3], num_tokens=len(prompt), first_block=3)
         counters = KVTransferCounters()
-        async with grpc.aio.insecure_channel(pair.address) as channel:
-            result = await pull_kv(channel, spec, caches, LAYOUT, WAIT, counters, use_shared_memory=use_shared_memory)
+        segments = SegmentPool() if use_shared_memory else None
+        try:
+            async with grpc.aio.insecure_channel(pair.address) as channel:
+                result = await pull_kv(channel, spec, caches, LAYOUT, WAIT, counters, segments=segments)
+        finally:
+            if segments is not None:
+                segments.close()
         assert result.error is None and result.first_token_id is not None
         assert counters.num_bytes == 2 * LAYOUT.bytes_per_block  # blocks 3 and 4, not the whole [2, 4) chunk
         assert counters.num_shared_memory_bytes == (counters.num_bytes if use_shared_memory else 0)

@@ -4,6 +4,7 @@ including the ones where it cannot be used or a peer misuses it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import stat
@@ -18,7 +19,7 @@ from kvservice.connector import shared_memory, wire
 from kvservice.connector.kv_puller import LoadSpec, pull_kv
 from kvservice.connector.kv_transfer_service import FAULT_CORRUPT_CHUNK_EVERY, KVTransferService
 from kvservice.connector.prefill_connector import PrefillConnectorMetadata, PrefillKVConnector, SaveSpec
-from kvservice.connector.shared_memory import CONTROL_BYTES, RingWriter, SharedMemoryUnavailable, SharedSegment
+from kvservice.connector.shared_memory import CONTROL_BYTES, RingWriter, SegmentPool, SharedMemoryUnavailable, SharedSegment
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import TransferRegistry
 from kvservice.core.outputs import KVTransferCounters
@@ -129,14 +130,17 @@ class _Prefill:
     """A real prefill side in this process: random KV staged through the connector, served by
     `KVTransferService` (or by `frames`, a fake server, when given)."""
 
-    def __init__(self, num_tokens: int, frames: Callable[[pb.PullKVRequest], list[bytes]] | None = None) -> None:
+    def __init__(
+        self, num_tokens: int, frames: Callable[[pb.PullKVRequest], list[bytes]] | None = None, num_staged: int = 1
+    ) -> None:
+        """`num_staged`: transfers its staging holds at once."""
         self.num_tokens = num_tokens
         self.num_blocks = LAYOUT.num_blocks_for(num_tokens)
         self.kv_caches = allocate_kv_caches(LAYOUT, self.num_blocks, torch.device("cpu"))
         gen = torch.Generator().manual_seed(3)
         for kv_layer in self.kv_caches:
             kv_layer.normal_(generator=gen)
-        self.registry = TransferRegistry(StagingPool(self.num_blocks * LAYOUT.bytes_per_block), LAYOUT)
+        self.registry = TransferRegistry(StagingPool(num_staged * self.num_blocks * LAYOUT.bytes_per_block), LAYOUT)
         self.service = KVTransferService(self.registry)
         self.frames = frames
         self.requests: list[pb.PullKVRequest] = []
@@ -161,7 +165,9 @@ class _Prefill:
                 yield frame
 
 
-async def _pull(prefill: _Prefill, request_id: str, token: bytes) -> tuple[str | None, KVTransferCounters, list[torch.Tensor]]:
+@contextlib.asynccontextmanager
+async def _serving(prefill: _Prefill) -> AsyncIterator[str]:
+    """`prefill`'s PullKV on 127.0.0.1; its address."""
     handler = grpc.method_handlers_generic_handler(
         "kvservice.v1.KVTransfer",
         {"PullKV": grpc.unary_stream_rpc_method_handler(prefill.pull_kv, request_deserializer=pb.PullKVRequest.FromString)},
@@ -171,20 +177,35 @@ async def _pull(prefill: _Prefill, request_id: str, token: bytes) -> tuple[str |
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
     try:
+        yield address
+    finally:
+        await server.stop(None)
+
+
+async def _pull(
+    prefill: _Prefill, request_id: str, token: bytes, address: str | None = None, segments: SegmentPool | None = None
+) -> tuple[str | None, KVTransferCounters, list[torch.Tensor]]:
+    """One pull from `prefill` (served at `address`, or for this pull alone), offering a segment
+    of `segments` (a pool of its own if None); checks every byte of a pull that succeeds."""
+    async with contextlib.AsyncExitStack() as stack:
+        if address is None:
+            address = await stack.enter_async_context(_serving(prefill))
+        if segments is None:
+            segments = SegmentPool()
+            stack.callback(segments.close)
         block_ids = list(range(prefill.num_blocks, 0, -1))  # block 0 stays untouched
         caches = allocate_kv_caches(LAYOUT, prefill.num_blocks + 1, torch.device("cpu"))
         counters = KVTransferCounters()
         spec = LoadSpec(request_id, address, token, block_ids, prefill.num_tokens)
         async with grpc.aio.insecure_channel(address) as channel:
-            result = await pull_kv(channel, spec, caches, LAYOUT, WAIT, counters, use_shared_memory=True)
+            result = await pull_kv(channel, spec, caches, LAYOUT, WAIT, counters, segments=segments)
         if result.error is None:
             assert result.first_token_id == FIRST_TOKEN
             for layer, cache in enumerate(caches):
                 assert torch.equal(cache[:, block_ids].view(torch.int16), prefill.kv_caches[layer].view(torch.int16))
                 assert not cache[:, 0].any()
         return result.error, counters, caches
-    finally:
-        await server.stop(None)
+    raise AssertionError("unreachable")
 
 
 @pytest.mark.parametrize("chunk_blocks", [1, 3, 64], ids=["ring-laps", "uneven-chunks", "one-chunk-per-layer"])
@@ -205,6 +226,60 @@ async def test_a_pull_through_the_segment_is_bit_identical_and_leaves_nothing_be
     assert counters.num_shared_memory_bytes == (0 if chunk_blocks == 64 else total)
     assert prefill.service.stats.num_shared_memory_bytes == counters.num_shared_memory_bytes
     assert prefill.registry.pool.bytes_in_use == 0
+
+
+async def test_a_segment_serves_the_next_pull_from_the_same_prefill_worker_once_its_pull_completed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fresh shared memory costs as much as the copies: the second pull reuses the first's
+    segment (no longer in /dev/shm: the prefill worker keeps it mapped), bit for bit right."""
+    monkeypatch.setattr(shared_memory, "DEFAULT_RING_BYTES", 5 * BLOCK)
+    opened: list[str] = []
+    real_open = SharedSegment.open
+    monkeypatch.setattr(SharedSegment, "open", staticmethod(lambda name: (opened.append(name), real_open(name))[1]))
+    prefill = _Prefill(num_tokens=27)
+    segments = SegmentPool()
+    try:
+        async with _serving(prefill) as address:
+            for request_id in ("r1", "r2", "r3"):
+                token = secrets.token_bytes(16)
+                prefill.stage(request_id, token, 2)
+                error, counters, _ = await _pull(prefill, request_id, token, address, segments)  # checks every byte
+                assert error is None and counters.num_shared_memory_bytes == counters.num_bytes == 3 * 7 * BLOCK
+        offered = {request.shared_memory for request in prefill.requests}
+        assert len(offered) == 1 and segments.num_created == 1
+        assert opened == [*offered]  # opened once, by name; then reused from the prefill worker's mapping
+        assert not os.path.exists(os.path.join(shared_memory.SHM_DIR, *offered))
+    finally:
+        segments.close()
+
+
+async def test_a_segment_whose_pull_failed_or_was_not_used_is_never_offered_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    segments = SegmentPool()
+    monkeypatch.setenv(FAULT_CORRUPT_CHUNK_EVERY, "2")
+    prefill = _Prefill(num_tokens=9, num_staged=3)  # its service corrupts every second chunk
+    try:
+        async with _serving(prefill) as address:
+            prefill.stage("bad", token := secrets.token_bytes(16), 1)
+            error, _, _ = await _pull(prefill, "bad", token, address, segments)
+            assert error is not None  # the prefill worker may still write into that ring: not reused
+            monkeypatch.delenv(FAULT_CORRUPT_CHUNK_EVERY)
+            prefill.service = KVTransferService(prefill.registry)  # read the fault setting again; nothing open
+
+            def elsewhere(name: str) -> SharedSegment:
+                raise SharedMemoryUnavailable(f"cannot open {name}")
+
+            with monkeypatch.context() as patched:
+                patched.setattr(SharedSegment, "open", staticmethod(elsewhere))
+                prefill.stage("streamed", token := secrets.token_bytes(16), 1)
+                error, counters, _ = await _pull(prefill, "streamed", token, address, segments)
+            assert error is None and counters.num_shared_memory_bytes == 0  # streamed: that prefill holds no segment
+            prefill.stage("next", token := secrets.token_bytes(16), 1)
+            error, counters, _ = await _pull(prefill, "next", token, address, segments)
+            assert error is None and counters.num_shared_memory_bytes == counters.num_bytes
+            assert segments.num_created == 3  # one per pull: neither earlier segment came back
+    finally:
+        segments.close()
 
 
 async def test_a_prefill_that_cannot_open_the_segment_streams_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -245,7 +320,7 @@ def _header_only(request_id: str, position: int, num_blocks: int = 1, layer: int
         (lambda rid: [_header_only(rid, 0)], "this pull offered no shared memory"),
         # Positions must move forward: a chunk may not point back at ring space already read.
         (lambda rid: [_header_only(rid, 0), _header_only(rid, 0, layer=1)], "before the previous chunk's end"),
-        # Bytes running past the ring's end (the ring holds the pull's 9 blocks).
+        # Bytes running past the ring's end (the ring holds 9 blocks here).
         (lambda rid: [_header_only(rid, 9 * BLOCK - 10)], "do not fit"),
     ],
     ids=["not-offered", "backwards", "wraps"],
@@ -253,6 +328,7 @@ def _header_only(request_id: str, position: int, num_blocks: int = 1, layer: int
 async def test_the_puller_refuses_header_only_chunks_it_cannot_trust(
     frames: Callable[[str], list[bytes]], message: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(shared_memory, "DEFAULT_RING_BYTES", 9 * BLOCK)
     prefill = _Prefill(num_tokens=9, frames=lambda request: frames(request.request_id))
     if message == "this pull offered no shared memory":
 

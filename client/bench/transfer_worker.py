@@ -254,6 +254,7 @@ async def _serve_decode(conn: Connection, setup: BenchSetup, address: str) -> No
     import grpc
 
     from kvservice.connector.kv_puller import LoadSpec, pull_kv
+    from kvservice.connector.shared_memory import SegmentPool
     from kvservice.core.outputs import KVTransferCounters
 
     idle_rss = _rss_bytes()
@@ -263,6 +264,7 @@ async def _serve_decode(conn: Connection, setup: BenchSetup, address: str) -> No
     kv_caches = allocate_kv_caches(layout, n + 1, torch.device(setup.device))
     block_ids = list(range(n, 0, -1)) if setup.is_reversed else list(range(1, n + 1))
     stats = KVTransferCounters()
+    segments = SegmentPool()  # as a decode worker's: kept across pulls
     async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
         await asyncio.wait_for(channel.channel_ready(), setup.timeout_s)
         conn.send(DecodeReady())
@@ -273,7 +275,7 @@ async def _serve_decode(conn: Connection, setup: BenchSetup, address: str) -> No
             spec = LoadSpec(request_id, address, token, block_ids, setup.num_tokens)
             start, start_cpu = time.perf_counter(), time.process_time()
             result = await pull_kv(
-                channel, spec, kv_caches, layout, setup.timeout_s, stats, use_shared_memory=message.use_shared_memory
+                channel, spec, kv_caches, layout, setup.timeout_s, stats, segments=segments if message.use_shared_memory else None
             )
             if kv_caches[0].is_cuda:
                 torch.cuda.synchronize(kv_caches[0].device)  # the last copies into the cache count too
@@ -281,6 +283,7 @@ async def _serve_decode(conn: Connection, setup: BenchSetup, address: str) -> No
             is_guard_zero = not any(bool(t[:, 0].view(torch.uint8).any()) for t in kv_caches)
             checksums = layer_checksums(kv_caches, block_ids)
             conn.send(Pulled(seconds, cpu_seconds, result.error, result.first_token_id, checksums, is_guard_zero))
+    segments.close()
     memory = {
         "idle_rss_bytes": idle_rss,
         "peak_rss_bytes": peak_rss_bytes(),

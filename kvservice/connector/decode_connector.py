@@ -29,7 +29,7 @@ import torch
 from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN, KVConnectorBase
 from kvservice.connector.channel_cache import ChannelCache
 from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
-from kvservice.connector.shared_memory import sweep_orphaned_segments
+from kvservice.connector.shared_memory import SegmentPool, sweep_orphaned_segments
 from kvservice.core.native_thread import name_native_thread
 from kvservice.core.outputs import (
     KVConnectorMetadata,
@@ -92,6 +92,7 @@ class DecodeKVConnector(KVConnectorBase):
         self.layout = layout
         # Offer each prefill worker a shared-memory segment for the bytes (same host only).
         self.use_shared_memory = use_shared_memory
+        self._segments = SegmentPool() if use_shared_memory else None  # used on the transfer loop only
         if use_shared_memory:
             sweep_orphaned_segments()
         self.transfer_timeout = transfer_timeout
@@ -197,7 +198,7 @@ class DecodeKVConnector(KVConnectorBase):
                 async with self._channels.use(address) as channel:
                     return await pull_kv(
                         channel, spec, self._kv_caches, self.layout, max(0.0, deadline - loop.time()), self.stats,
-                        self._metadata, self.use_shared_memory,
+                        self._metadata, self._segments,
                     )
             finally:
                 slots.release()
@@ -265,6 +266,8 @@ class DecodeKVConnector(KVConnectorBase):
                 task.cancel()
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
             await self._channels.close()
+            if self._segments is not None:
+                self._segments.close()
 
         if not self._transfer_loop.loop.is_closed():
             try:

@@ -18,7 +18,7 @@ import torch
 
 from kvservice.connector import wire
 from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
-from kvservice.connector.shared_memory import SharedSegment
+from kvservice.connector.shared_memory import SegmentPool, SharedSegment
 from kvservice.core.outputs import KVTransferCounters
 from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.v1 import kvservice_pb2 as pb
@@ -54,20 +54,20 @@ async def pull_kv(
     timeout: float,
     stats: KVTransferCounters,
     metadata: tuple[tuple[str, str], ...] | None = None,
-    use_shared_memory: bool = False,
+    segments: SegmentPool | None = None,
 ) -> LoadResult:
     """Pull one transfer; failures come back as a LoadResult with `error`, never raised.
     `metadata` goes with the call (the bearer token of a guarded prefill worker).
-    `use_shared_memory`: offer the prefill worker a segment for the bytes (same host only;
-    see `shared_memory`); the pull works the same if it cannot use it."""
+    `segments`: offer the prefill worker one of them for the bytes (same host only; see
+    `shared_memory`); the pull works the same if it cannot use it."""
     num_pulled_blocks = len(spec.block_ids) - spec.first_block
     segment: SharedSegment | None = None
-    if use_shared_memory and num_pulled_blocks > 0:
+    if segments is not None and num_pulled_blocks > 0:
         try:
-            pull_bytes = layout.num_layers * num_pulled_blocks * layout.bytes_per_block_per_layer
-            segment = SharedSegment.create(SharedSegment.size_for(pull_bytes))
+            segment = segments.take(spec.remote_address)
         except OSError as e:
             logger.warning("request %s: no shared-memory segment (%s); pulling over the gRPC stream", spec.request_id, e)
+    is_all_in_ring = False
     try:
         request = pb.PullKVRequest(
             request_id=spec.request_id,
@@ -83,11 +83,12 @@ async def pull_kv(
         call = channel.unary_stream(
             PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=None
         )(request, timeout=timeout, metadata=metadata)
-        return await _receive(call, spec, kv_caches, layout, stats, segment)
+        result, is_all_in_ring = await _receive(call, spec, kv_caches, layout, stats, segment)
+        return result
     finally:
         if segment is not None:
-            segment.unlink()
-            segment.close()
+            assert segments is not None
+            segments.give_back(spec.remote_address, segment, is_all_in_ring)
 
 
 async def _receive(
@@ -97,8 +98,9 @@ async def _receive(
     layout: KVCacheLayout,
     stats: KVTransferCounters,
     segment: SharedSegment | None,
-) -> LoadResult:
-    """Read a PullKV stream into the transfer's blocks (the ring's bytes where a header says so)."""
+) -> tuple[LoadResult, bool]:
+    """Read a PullKV stream into the transfer's blocks (the ring's bytes where a header says so);
+    also whether it completed with every chunk through the ring."""
     num_blocks = len(spec.block_ids)
     device = kv_caches[0].device if kv_caches else torch.device("cpu")
     block_ids = torch.tensor(spec.block_ids, dtype=torch.long, device=device)
@@ -107,7 +109,7 @@ async def _receive(
     # written[layer][block]: each block of each layer exactly once (the cached ones count as written).
     written = [bytearray(b"\x01" * spec.first_block + bytes(num_blocks - spec.first_block)) for _ in range(layout.num_layers)]
     start = time.perf_counter()
-    num_chunks = num_bytes = 0
+    num_chunks = num_bytes = num_ring_chunks = 0
     ring_read_end = 0  # the shared-memory ring: where the last chunk read from it ended
     error: str | None = None
     first_token_id: int | None = None
@@ -146,6 +148,7 @@ async def _receive(
             stats.num_bytes += len(payload)
             if header.in_shared_memory:
                 stats.num_shared_memory_bytes += len(payload)
+                num_ring_chunks += 1
         else:
             error = "the PullKV stream ended without its done frame"
     except grpc.aio.AioRpcError as e:
@@ -161,8 +164,8 @@ async def _receive(
     stats.total_seconds += elapsed
     if error is not None:
         stats.num_failed_transfers += 1
-        return LoadResult(spec.request_id, None, error)
-    return LoadResult(spec.request_id, first_token_id)
+        return LoadResult(spec.request_id, None, error), False
+    return LoadResult(spec.request_id, first_token_id), num_ring_chunks == num_chunks > 0
 
 
 def _ring_payload(header: pb.KVChunkHeader, payload: memoryview, segment: SharedSegment | None, read_end: int) -> memoryview:

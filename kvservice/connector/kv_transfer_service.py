@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 
 from kvservice.connector import wire
-from kvservice.connector.shared_memory import RingWriter, SharedSegment
+from kvservice.connector.shared_memory import OpenSegments, RingWriter, SharedSegment
 from kvservice.connector.transfer_errors import TransferDenied, TransferInvalid, TransferNotFound
 from kvservice.connector.transfer_registry import StagedTransfer, TransferRegistry, TransferState
 from kvservice.core.outputs import KVTransferCounters
@@ -43,6 +43,7 @@ class KVTransferService:
         layout = registry.layout
         self._dtype = wire.dtype_name(layout.dtype)
         self._corrupt_every = int(os.environ.get(FAULT_CORRUPT_CHUNK_EVERY, "0"))
+        self._segments = OpenSegments()  # pullers' segments, kept mapped: a puller reuses them
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -81,8 +82,6 @@ class KVTransferService:
                 yield frame
             is_sent = True
         finally:
-            if segment is not None:
-                segment.close()
             # Ended before the done frame goes out (it needs nothing staged): the staging is
             # freed now, and a release or abort that arrives while the done frame is on its
             # way finds a delivered transfer, not one to fail under a finished pull.
@@ -108,7 +107,7 @@ class KVTransferService:
         if not request.shared_memory:
             return None
         try:
-            return SharedSegment.open(request.shared_memory)
+            return self._segments.open(request.shared_memory)
         except OSError as e:  # SharedMemoryUnavailable among them
             logger.info("request %s: KV goes over the gRPC stream: the puller's shared memory does not open here (%s)", transfer.request_id, e)
             return None
