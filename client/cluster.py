@@ -106,7 +106,8 @@ class LocalCluster:
             child = await self._spawn("both", [*worker, "--role", "both", "--port", str(self.port)], self.colocated_cores)
             self.address = child.address
         else:
-            worker += self._core_lease_args()
+            lease = self._core_lease_args()
+            worker += lease
             await asyncio.gather(*(
                 self._spawn(f"prefill-{i}", [*worker, "--role", "prefill"], self.prefill_cores) for i in range(self.num_prefill)
             ))
@@ -120,7 +121,9 @@ class LocalCluster:
             if self.prefill_addresses:
                 proxy_cmd += ["--prefill", *self.prefill_addresses]
             proxy_cmd += ["--decode", *self.decode_addresses]
-            self.address = (await self._spawn("proxy", proxy_cmd, None)).address
+            # Sharing the workers' cores, the proxy serves from their idle time (as their own
+            # serving threads do: kvservice.core.thread_placement).
+            self.address = (await self._spawn("proxy", proxy_cmd, None, idle_class=bool(lease))).address
         async with KVServiceClient(self.address, self.client_credentials) as client:
             await client.wait_until_serving(self.startup_timeout)
 
@@ -142,7 +145,8 @@ class LocalCluster:
             return []
         return ["--kv-peers", *self.prefill_addresses]
 
-    async def _spawn(self, name: str, cmd: list[str], cores: Sequence[int] | None) -> ChildProcess:
+    async def _spawn(self, name: str, cmd: list[str], cores: Sequence[int] | None, idle_class: bool = False) -> ChildProcess:
+        """Start a child; `idle_class`: at SCHED_IDLE (it runs only on CPUs nothing else wants)."""
         env = {**os.environ, **WORKER_ENV}
         core_set = set(cores) if cores is not None else None
         parent = os.getpid()
@@ -151,6 +155,8 @@ class LocalCluster:
             die_with_parent(parent)
             if core_set is not None:
                 os.sched_setaffinity(0, core_set)
+            if idle_class:
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
         process = await asyncio.create_subprocess_exec(
             *cmd, stdout=asyncio.subprocess.PIPE, env=env, preexec_fn=preexec, start_new_session=True

@@ -89,13 +89,17 @@ class ThreadPool {
   }
 
   void ensure_workers(int64_t count) {
-    while (static_cast<int64_t>(workers_.size()) < count) workers_.emplace_back([this] { work(); });
+    while (static_cast<int64_t>(workers_.size()) < count) {
+      workers_.emplace_back([this] { work(); });
+#if defined(__linux__)
+      // Named by its creator, so the name is there when the job that started it ends: per-thread
+      // tools (top -H, perf, scripts/sched_trace.py) and kvservice.core.thread_placement read it.
+      pthread_setname_np(workers_.back().native_handle(), "kvs-pool");
+#endif
+    }
   }
 
   void work() {
-#if defined(__linux__)
-    pthread_setname_np(pthread_self(), "kvs-pool");  // for per-thread tools: top -H, perf, scripts/sched_trace.py
-#endif
     uint64_t seen = generation_.load(std::memory_order_acquire);
     while (true) {
       // Spin for a while (a decode step's jobs come microseconds apart), then sleep.
