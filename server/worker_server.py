@@ -61,9 +61,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transfer-timeout", type=float, default=120.0, help="decode side: deadline of one KV pull, seconds (default: 120)")
     parser.add_argument(
         "--kv-transfer-shm", action="store_true",
-        help="decode side: offer each prefill worker a per-pull shared-memory segment in /dev/shm for the KV bytes; "
-        "a prefill worker on the same host (same /dev/shm, same user) writes them there and streams only chunk headers, "
-        "any other streams the bytes over gRPC as usual (default: off)",
+        help="decode side: offer each prefill worker a shared-memory segment in /dev/shm for the KV bytes (8 MiB, "
+        "reused by later pulls from that worker); a prefill worker on the same host (same /dev/shm, same user) writes "
+        "them there and streams only chunk headers, any other streams the bytes over gRPC as usual (default: off; "
+        "`kvservice launch` turns it on)",
     )
     parser.add_argument(
         "--max-queued-requests", type=int, default=1024,
