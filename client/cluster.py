@@ -106,8 +106,7 @@ class LocalCluster:
             child = await self._spawn("both", [*worker, "--role", "both", "--port", str(self.port)], self.colocated_cores)
             self.address = child.address
         else:
-            lease = self._core_lease_args()
-            worker += lease
+            worker += self._core_lease_args()
             await asyncio.gather(*(
                 self._spawn(f"prefill-{i}", [*worker, "--role", "prefill"], self.prefill_cores) for i in range(self.num_prefill)
             ))
@@ -121,9 +120,7 @@ class LocalCluster:
             if self.prefill_addresses:
                 proxy_cmd += ["--prefill", *self.prefill_addresses]
             proxy_cmd += ["--decode", *self.decode_addresses]
-            # Sharing the workers' cores, the proxy serves from their idle time (as their own
-            # serving threads do: kvservice.core.thread_placement).
-            self.address = (await self._spawn("proxy", proxy_cmd, None, idle_class=bool(lease))).address
+            self.address = (await self._spawn("proxy", proxy_cmd, None)).address
         async with KVServiceClient(self.address, self.client_credentials) as client:
             await client.wait_until_serving(self.startup_timeout)
 
@@ -145,8 +142,7 @@ class LocalCluster:
             return []
         return ["--kv-peers", *self.prefill_addresses]
 
-    async def _spawn(self, name: str, cmd: list[str], cores: Sequence[int] | None, idle_class: bool = False) -> ChildProcess:
-        """Start a child; `idle_class`: at SCHED_IDLE (it runs only on CPUs nothing else wants)."""
+    async def _spawn(self, name: str, cmd: list[str], cores: Sequence[int] | None) -> ChildProcess:
         env = {**os.environ, **WORKER_ENV}
         core_set = set(cores) if cores is not None else None
         parent = os.getpid()
@@ -155,8 +151,6 @@ class LocalCluster:
             die_with_parent(parent)
             if core_set is not None:
                 os.sched_setaffinity(0, core_set)
-            if idle_class:
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
         process = await asyncio.create_subprocess_exec(
             *cmd, stdout=asyncio.subprocess.PIPE, env=env, preexec_fn=preexec, start_new_session=True

@@ -38,7 +38,6 @@ from kvservice.core.outputs import (
     StagingStats,
 )
 from kvservice.core.request import Request, RequestStatus
-from kvservice.core.thread_placement import serve_from_idle_time
 from kvservice.model.attention import AttentionMetadata
 from kvservice.model.kv_cache import KVCacheLayout
 
@@ -130,7 +129,7 @@ class PrefillKVConnector(KVConnectorBase):
         if kv_caches[0].is_cuda:
             self._copy_stream = torch.cuda.Stream(device=kv_caches[0].device)
         else:
-            self._copy_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-stage", initializer=_start_stage_thread)
+            self._copy_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-stage", initializer=name_native_thread)
 
     # ------------------------------------------------------------ scheduler side
 
@@ -270,13 +269,6 @@ class PrefillKVConnector(KVConnectorBase):
         self._publish_ready_copies(block=True)
         if self._copy_thread is not None:
             self._copy_thread.shutdown()
-
-
-def _start_stage_thread() -> None:
-    """The copy thread: named for the OS; at SCHED_IDLE where the worker shares its cores (it
-    is started by the step thread, whose class it would inherit)."""
-    name_native_thread()
-    serve_from_idle_time()
 
 
 def _stage_copy(kv_layer: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> int:

@@ -28,7 +28,6 @@ from typing import Any
 from kvservice.core.block_pool import KVCacheEvent
 from kvservice.core.native_thread import name_native_thread
 from kvservice.core.sampling_params import SamplingParams
-from kvservice.core.thread_placement import STEP_THREAD_NAME, SharedCorePlacement
 from kvservice.engine.engine import LLMEngine, RequestOutput
 from kvservice.engine.errors import EngineDeadError, QueueFull
 from kvservice.loading.chat_template import Prompt
@@ -100,7 +99,7 @@ class AsyncLLMEngine:
         """Start the step thread; must be called from the event loop that will consume outputs."""
         self._loop = asyncio.get_running_loop()
         self._failed = self._loop.create_future()
-        self._thread = threading.Thread(target=self._run, name=STEP_THREAD_NAME, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._thread.start()
 
     async def stop(self) -> None:
@@ -192,8 +191,6 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         name_native_thread()
-        # Workers taking turns on shared cores place their threads (kvservice.core.thread_placement).
-        placement = SharedCorePlacement() if self.engine.core_lease is not None else None
         try:
             while not self._stopping:
                 self._apply_commands()
@@ -204,8 +201,6 @@ class AsyncLLMEngine:
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step()
-                if placement is not None and not self.engine.is_last_step_idle:
-                    placement.update()
                 if self._kv_events_sink is not None:
                     events = self.engine.take_kv_events()
                     if events:

@@ -93,7 +93,7 @@ class ThreadPool {
       workers_.emplace_back([this] { work(); });
 #if defined(__linux__)
       // Named by its creator, so the name is there when the job that started it ends: per-thread
-      // tools (top -H, perf, scripts/sched_trace.py) and kvservice.core.thread_placement read it.
+      // tools (top -H, perf, scripts/sched_trace.py) see it even for a worker that has not run yet.
       pthread_setname_np(workers_.back().native_handle(), "kvs-pool");
 #endif
     }
