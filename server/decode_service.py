@@ -4,7 +4,8 @@
 started request runs as its own task, as a Decode call would, and the stream sends what all
 of them produced since its last message as one batch. A step's outputs reach every request's
 task in one pass of the event loop, so a batch holds the whole step: one gRPC message a step
-instead of one a token (gRPC's asyncio API costs ~45 us of CPU a message on each side, here).
+instead of one a token (gRPC's asyncio API costs ~35-45 us of CPU a message on each side here:
+scripts/token_stream_cost.py).
 
 The worker dials only the prefill workers it may trust: a plain HOST:PORT (never a
 `unix:` path or another scheme), named by a request that passed the bearer token check,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import pytest_asyncio
-from conftest import wait_for
+from conftest import serving_worker, wait_for
 
 from kvservice.config import EngineConfig
 from kvservice.core.sampling_params import SamplingParams
@@ -22,7 +22,6 @@ from kvservice.server.proxy.kv_subscriber import KVEventSubscriptions
 from kvservice.server.proxy.worker_pool import WorkerHandle, WorkerPool
 from kvservice.server.worker_service import EngineWorkerService
 from kvservice.v1 import kvservice_pb2 as pb
-from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
@@ -83,21 +82,17 @@ async def setup() -> AsyncIterator[Setup]:
     publisher = KVEventPublisher(asyncio.get_running_loop(), CONFIG.block_size, engine.kv_hash_seed)
     async_engine = AsyncLLMEngine(engine, kv_events_sink=publisher.publish)
     async_engine.start()
-    server = grpc.aio.server()
     worker = FaultyWorker(async_engine, publisher)
-    pb_grpc.add_WorkerServicer_to_server(worker, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    pool = WorkerPool([f"127.0.0.1:{port}"])
-    subscriptions = KVEventSubscriptions(pool.workers)
-    subscriptions.start()
-    try:
-        yield Setup(async_engine, worker, pool.workers[0], subscriptions)
-    finally:
-        await subscriptions.close()
-        await pool.close()
-        publisher.close()
-        await server.stop(None)
+    async with serving_worker(worker) as address:
+        pool = WorkerPool([address])
+        subscriptions = KVEventSubscriptions(pool.workers)
+        subscriptions.start()
+        try:
+            yield Setup(async_engine, worker, pool.workers[0], subscriptions)
+        finally:
+            await subscriptions.close()
+            await pool.close()
+            publisher.close()
         await async_engine.stop()
 
 

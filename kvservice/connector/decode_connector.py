@@ -90,9 +90,9 @@ class DecodeKVConnector(KVConnectorBase):
     ) -> None:
         super().__init__()
         self.layout = layout
-        # Offer each prefill worker a shared-memory segment for the bytes (same host only).
-        self.use_shared_memory = use_shared_memory
-        self._segments = SegmentPool() if use_shared_memory else None  # used on the transfer loop only
+        # Offer each prefill worker a shared-memory segment for the bytes (same host only);
+        # used on the transfer loop only.
+        self._segments = SegmentPool() if use_shared_memory else None
         if use_shared_memory:
             sweep_orphaned_segments()
         self.transfer_timeout = transfer_timeout

@@ -4,9 +4,9 @@ This path adds to the gRPC byte stream; it never replaces it.
 
 A decode worker started with `--kv-transfer-shm` offers each pull a segment in /dev/shm,
 named in `PullKVRequest.shared_memory`: one of its idle segments for that prefill worker
-(`SegmentPool`), or a new one. A segment has mode 0600 and a name with 128 random bits. The prefill worker checks the transfer token as
-always, then tries to open the segment. That works only on the same host, with the same
-/dev/shm and a user allowed to open it:
+(`SegmentPool`), or a new one. A segment has mode 0600 and a name with 128 random bits.
+The prefill worker checks the transfer token as always, then tries to open the segment.
+That works only on the same host, with the same /dev/shm and a user allowed to open it:
 - If it opens, chunks' bytes go into the segment and the stream carries only their headers
   (`in_shared_memory`, `shared_memory_position`).
 - If it does not open, the bytes stream as usual and nothing else changes.
