@@ -188,26 +188,56 @@ def test_smollm2_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyP
 
 
 
+class _LayerHooks:
+    """A connector with per-layer hooks (recorded), as the forward sees one."""
+
+    has_layer_hooks = True
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        self.calls.append(("load", layer))
+
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        self.calls.append(("save", layer))
+
+
 @pytest.mark.slow
 def test_smollm2_decode_layer_calls_give_the_per_op_paths_numbers(smollm2_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode step's layers as one C++ call each (`decode_layer_`) run the per-op path's
-    kernels in its order: the same logprobs to the bit, at batch 1 and 3."""
+    """A decode step's layers in C++ run the per-op path's kernels in its order: the same
+    logprobs to the bit, at batch 1 and 3, both as one call for all layers (`decode_layers_`,
+    a step without per-layer hooks) and as one call a layer with the hooks between (`decode_layer_`)."""
     prompts = [[1, 504, 3458, 282], [1, 2060, 314, 253, 1345, 30, 1035], [1, 42, 43]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
-    calls = []
-    original = torch.ops.kvservice.decode_layer_
-    monkeypatch.setattr(torch.ops.kvservice, "decode_layer_", lambda *args: calls.append(1) or original(*args))
+    calls: list[str] = []
+    for name in ("decode_layer_", "decode_layers_"):
+        original = getattr(torch.ops.kvservice, name)
+        monkeypatch.setattr(torch.ops.kvservice, name, lambda *args, name=name, original=original: calls.append(name) or original(*args))
+    num_layers = smollm2_llm.engine.loaded.model.config.num_hidden_layers
+    hooks = _LayerHooks()
+    run_layers = model_module.run_decode_layers
     for batch in (prompts[:1], prompts):
-        fused = smollm2_llm.generate(batch, params)
-        assert calls, "the decode steps did not take the one-call-per-layer path"
+        one_call = smollm2_llm.generate(batch, params)
+        assert calls and set(calls) == {"decode_layers_"}, "the decode steps did not run their layers in one call"
+        num_steps = len(calls)
         calls.clear()
+        with monkeypatch.context() as hooked:
+            hooked.setattr(model_module, "run_decode_layers", lambda *args: run_layers(*args[:-1], hooks))
+            per_layer = smollm2_llm.generate(batch, params)
+        assert calls == ["decode_layer_"] * (num_layers * num_steps)
+        expected_hooks = [(kind, layer) for layer in range(num_layers) for kind in ("load", "save")]
+        assert hooks.calls == expected_hooks * num_steps
+        calls.clear()
+        hooks.calls.clear()
         with monkeypatch.context() as per_op:
             per_op.setattr(CausalLM, "_decode_layer_args", lambda self, meta: None)
             reference = smollm2_llm.generate(batch, params)
         assert not calls
-        for a, b in zip(fused, reference):
-            assert a.token_ids == b.token_ids
-            assert [lp.logprob for lp in a.logprobs or []] == [lp.logprob for lp in b.logprobs or []]
+        for a, b, c in zip(one_call, per_layer, reference):
+            assert a.token_ids == b.token_ids == c.token_ids
+            assert [lp.logprob for lp in a.logprobs or []] == [lp.logprob for lp in c.logprobs or []]
+            assert [lp.logprob for lp in b.logprobs or []] == [lp.logprob for lp in c.logprobs or []]
 
 
 @pytest.mark.slow

@@ -55,9 +55,13 @@ class AttentionMetadata:
 
 
 class LayerKVHooks(Protocol):
-    """What the forward needs of a KV connector: its two per-layer hooks, no more.
+    """What the forward needs of a KV connector: its two per-layer hooks, and whether it has
+    any (without, a decode step runs its layers in one call).
 
     `KVConnectorBase` satisfies it; the model knows nothing else of connectors."""
+
+    @property
+    def has_layer_hooks(self) -> bool: ...
 
     def wait_for_layer_load(self, layer: int) -> None: ...
 

@@ -23,7 +23,7 @@ from kvservice.config import ModelConfig
 from kvservice.model.attention import AttentionMetadata, LayerKVHooks, paged_attention, write_kv
 from kvservice.model.block_quant import BlockQuantWeight
 from kvservice.model.cpu_kernels import kernels_loaded
-from kvservice.model.fused_decode import run_decode_layers
+from kvservice.model.fused_decode import DecodeLayerArgs, run_decode_layers
 from kvservice.model.greedy_head import MIN_ROWS as GREEDY_HEAD_MIN_ROWS
 from kvservice.model.greedy_head import GreedyHead
 from kvservice.model.rotary import RotaryEmbedding, StepRope
@@ -187,7 +187,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg, max_positions)
-        self._decode_args: list[tuple[Any, ...]] | None = None  # built on the first decode step
+        self._decode_args: DecodeLayerArgs | bool | None = None  # built on the first decode step (False: none)
         self._greedy_head: GreedyHead | None = None  # set by prepare_for_cpu where it runs
 
     @torch.inference_mode()
@@ -285,14 +285,15 @@ class CausalLM(nn.Module):
             yield "attention"
         return x
 
-    def _decode_layer_args(self, meta: AttentionMetadata) -> list[tuple[Any, ...]] | None:
-        """Each layer's static arguments of `decode_layer_` when this step can run layer by layer
-        in one call each: decode queries only, every projection block-quantized. None: the per-op path."""
+    def _decode_layer_args(self, meta: AttentionMetadata) -> DecodeLayerArgs | None:
+        """The layers' static arguments of `decode_layer_` / `decode_layers_` when this step can run
+        its layers in C++: decode queries only, every projection block-quantized. None: the per-op path."""
         if meta.prefills or meta.decode_block_table is None:
             return None
         if self._decode_args is None:
-            self._decode_args = self._build_decode_layer_args() or []
-        return self._decode_args or None
+            per_layer = self._build_decode_layer_args()
+            self._decode_args = DecodeLayerArgs.of(per_layer) if per_layer else False
+        return self._decode_args if isinstance(self._decode_args, DecodeLayerArgs) else None
 
     def _build_decode_layer_args(self) -> list[tuple[Any, ...]] | None:
         """Per layer: the weights, norms and shapes `decode_layer_` takes; None unless every
