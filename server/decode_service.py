@@ -1,11 +1,11 @@
 """`Worker.Decode` on a decode worker: pull the prompt's KV from its prefill worker, then generate.
 
 `Worker.DecodeStream` serves the same requests multiplexed on one stream from a proxy: each
-started request runs as its own task, as a Decode call would, and the stream sends what all
-of them produced since its last message as one batch. A step's outputs reach every request's
-task in one pass of the event loop, so a batch holds the whole step: one gRPC message a step
-instead of one a token (gRPC's asyncio API costs ~35-45 us of CPU a message on each side here:
-scripts/token_stream_cost.py).
+started request runs as its own task, checked as a Decode call would be, and the stream sends
+what all of them produced since its last message as one batch. A step's outputs go straight
+into the batch as the engine hands them over (`AsyncLLMEngine.run`: no task switch per token),
+so a batch holds the whole step: one gRPC message a step instead of one a token (gRPC's asyncio
+API costs ~35-45 us of CPU a message on each side here: scripts/token_stream_cost.py).
 
 The worker dials only the prefill workers it may trust: a plain HOST:PORT (never a
 `unix:` path or another scheme), named by a request that passed the bearer token check,
@@ -24,10 +24,13 @@ import grpc
 
 from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN
 from kvservice.core.request import check_request_id
+from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.async_engine import AsyncLLMEngine
+from kvservice.engine.engine import RequestOutput
+from kvservice.loading.chat_template import Prompt
 from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
 from kvservice.server.errors import PeerNotAllowed, ShuttingDown, abort_with, message_for, status_for
-from kvservice.server.generation import stream_responses
+from kvservice.server.generation import ResponseConverter, stream_responses
 from kvservice.server.kv_events import KVEventPublisher
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.worker_service import EngineWorkerService
@@ -127,8 +130,17 @@ class DecodeWorkerService(EngineWorkerService):
     async def _run_on_stream(self, request: pb.DecodeRequest, outbox: _Outbox) -> None:
         request_id = request.request.request_id
         try:
-            async for response in self._responses(request):
-                outbox.add(request_id, response=response)
+            check_request_id(request_id, "request.request_id")
+            with self.metrics.track(request_id, logger) as tracker:
+                prompt, params, kv_params = self._admit(request)
+                convert = ResponseConverter()
+
+                def on_output(out: RequestOutput) -> None:
+                    response = convert(out)
+                    tracker.on_tokens(len(response.token_ids))
+                    outbox.add(request_id, response=response)
+
+                await self.engine.run(prompt, params, on_output, request_id, kv_params)
         except Exception as e:
             outbox.fail(request_id, e)
         else:
@@ -139,19 +151,26 @@ class DecodeWorkerService(EngineWorkerService):
         inner = request.request
         check_request_id(inner.request_id, "request.request_id")
         with self.metrics.track(inner.request_id, logger) as tracker:
-            prompt = prompt_from_proto(inner, self.engine.engine.max_model_len)
-            params = sampling_params_from_proto(inner.sampling_params)
-            kv_params = None
-            if request.HasField("kv_transfer_params"):
-                source = request.kv_transfer_params
-                if not source.remote_address or not source.transfer_token:
-                    raise ValueError("kv_transfer_params: remote_address and transfer_token are required")
-                check_kv_peer(source.remote_address, self.kv_peers)
-                kv_params = {REMOTE_ADDRESS: source.remote_address, TRANSFER_TOKEN: source.transfer_token}
-                logger.info("request_id=%s pulls its KV from %s", inner.request_id, source.remote_address)
+            prompt, params, kv_params = self._admit(request)
             async for response in stream_responses(self.engine, prompt, params, inner.request_id, kv_params):
                 tracker.on_tokens(len(response.token_ids))
                 yield response
+
+    def _admit(self, request: pb.DecodeRequest) -> tuple[Prompt, SamplingParams, dict[str, Any] | None]:
+        """A request's prompt, sampling parameters and KV source, checked; ValueError (or
+        PeerNotAllowed) names what is wrong."""
+        inner = request.request
+        prompt = prompt_from_proto(inner, self.engine.engine.max_model_len)
+        params = sampling_params_from_proto(inner.sampling_params)
+        kv_params = None
+        if request.HasField("kv_transfer_params"):
+            source = request.kv_transfer_params
+            if not source.remote_address or not source.transfer_token:
+                raise ValueError("kv_transfer_params: remote_address and transfer_token are required")
+            check_kv_peer(source.remote_address, self.kv_peers)
+            kv_params = {REMOTE_ADDRESS: source.remote_address, TRANSFER_TOKEN: source.transfer_token}
+            logger.info("request_id=%s pulls its KV from %s", inner.request_id, source.remote_address)
+        return prompt, params, kv_params
 
 
 class _Outbox:

@@ -18,10 +18,27 @@ from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # the engine (torch) only where one runs, not in the proxy
     from kvservice.engine.async_engine import AsyncLLMEngine
+    from kvservice.engine.engine import RequestOutput
 
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+class ResponseConverter:
+    """One request's engine outputs as responses: one each, the first tokens of each sequence
+    flagged; an engine-side error raises RequestFailed."""
+
+    def __init__(self) -> None:
+        self.started: set[int] = set()  # sequences whose first tokens went out
+
+    def __call__(self, out: RequestOutput) -> pb.GenerateResponse:
+        if out.error is not None:
+            raise RequestFailed(out.error)
+        response = response_from_output(out, out.index not in self.started and bool(out.new_token_ids))
+        if out.new_token_ids:
+            self.started.add(out.index)
+        return response
 
 
 async def stream_responses(
@@ -32,13 +49,9 @@ async def stream_responses(
     kv_transfer_params: dict[str, Any] | None = None,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """One response per engine output; an engine-side error raises RequestFailed."""
-    started: set[int] = set()  # sequences whose first tokens went out
+    convert = ResponseConverter()
     async for out in engine.generate(prompt, params, request_id, kv_transfer_params):
-        if out.error is not None:
-            raise RequestFailed(out.error)
-        yield response_from_output(out, out.index not in started and bool(out.new_token_ids))
-        if out.new_token_ids:
-            started.add(out.index)
+        yield convert(out)
 
 
 class CompleteResponses:

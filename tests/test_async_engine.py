@@ -97,6 +97,39 @@ async def test_a_failed_step_fails_running_queued_and_later_calls(engine: AsyncL
     assert not engine.is_alive
 
 
+async def test_run_hands_each_output_to_its_callback_as_generate_yields_them(engine: AsyncLLMEngine) -> None:
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = [out.new_token_ids async for out in engine.generate([1, 2, 3], params)]
+    seen: list[list[int]] = []
+    finished: list[bool] = []
+    await asyncio.wait_for(engine.run([1, 2, 3], params, lambda out: (seen.append(out.new_token_ids), finished.append(out.all_finished))), DEADLINE_S)
+    assert seen == expected and sum(map(len, seen)) == 5
+    assert finished == [False] * (len(seen) - 1) + [True]
+    with pytest.raises(ValueError):  # refused input raises, as generate's first step does
+        await asyncio.wait_for(engine.run([], params, seen.append), DEADLINE_S)
+
+
+async def test_run_aborts_its_request_when_the_callback_raises_or_the_call_is_cancelled(engine: AsyncLLMEngine) -> None:
+    free = await engine.call(lambda e: e.num_free_blocks)
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    def fail(out: object) -> None:
+        raise RuntimeError("the consumer went away")
+
+    with pytest.raises(RuntimeError, match="consumer went away"):
+        await asyncio.wait_for(engine.run([1, 2, 3], long, fail), DEADLINE_S)
+    first = asyncio.get_running_loop().create_future()
+    call = asyncio.create_task(engine.run([4, 5, 6], long, lambda out: first.done() or first.set_result(None)))
+    await asyncio.wait_for(first, DEADLINE_S)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    # Both aborts reached the step thread: every block is back and nothing runs.
+    stats = await engine.call(lambda e: e.scheduler.make_stats())
+    assert (stats.num_blocks_free, stats.num_running_requests, stats.num_waiting_requests) == (free, 0, 0)
+    assert stats.num_aborted_requests == 2
+
+
 async def test_a_clean_stop_fails_later_calls(engine: AsyncLLMEngine) -> None:
     await engine.stop()
     with pytest.raises(EngineDeadError):

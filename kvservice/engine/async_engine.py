@@ -3,7 +3,8 @@
 The step loop runs in a thread of its own so the event loop never blocks on a
 forward. Commands (add, abort) reach the thread through a queue and are applied
 between steps; outputs come back through `loop.call_soon_threadsafe`, one batch per
-step. With a `kv_events_sink`, the thread hands it each step's prefix cache events
+step: into each request's queue (`generate`), or straight to its callback (`run`,
+for a caller that only forwards them: no task switch per output). With a `kv_events_sink`, the thread hands it each step's prefix cache events
 (`LLMEngine.take_kv_events`) right after the step, so their order and a snapshot taken
 with `call` agree. A step that computed nothing (requests waiting for remote KV, or for blocks that
 in-flight pulls hold) waits on a wake-up event that the connector sets when a transfer
@@ -39,6 +40,10 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05
 
 
+# Where a request's outputs go, on the event loop: each output, or the error that ends it.
+Deliver = Callable[[RequestOutput | BaseException], None]
+
+
 @dataclass(slots=True)
 class _Add:
     prompt: Prompt
@@ -46,7 +51,7 @@ class _Add:
     request_id: str | None
     kv_transfer_params: dict[str, Any] | None
     future: asyncio.Future[str]
-    outputs: asyncio.Queue[RequestOutput | BaseException]
+    deliver: Deliver
 
 
 @dataclass(slots=True)
@@ -82,7 +87,7 @@ class AsyncLLMEngine:
             engine.take_kv_events()  # recording starts now, before the step thread does
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams: dict[str, Deliver] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -136,14 +141,8 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes. Invalid input raises ValueError
         before anything is yielded; leaving early (cancel, break) aborts the request."""
-        if self.error is not None or self._loop is None:
-            raise EngineDeadError(f"engine is not running: {self.error!r}")
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        future: asyncio.Future[str] = self._loop.create_future()
-        # The id is fixed here, so a caller cancelled while the add is still queued can
-        # abort it too (the abort follows the add through the same queue).
-        rid = request_id if request_id is not None else uuid.uuid4().hex
-        self._submit(_Add(prompt, params, rid, kv_transfer_params, future, outputs))
+        future, rid = self._add(prompt, params, request_id, kv_transfer_params, outputs.put_nowait)
         finished = False
         try:
             await future
@@ -156,9 +155,69 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            was_refused = future.done() and not future.cancelled() and future.exception() is not None
-            if not finished and not was_refused:
-                self.abort(rid)
+            self._abort_unless(finished, future, rid)
+
+    async def run(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        on_output: Callable[[RequestOutput], None],
+        request_id: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:
+        """`generate`, with each output handed to `on_output` on the event loop as its step's
+        batch arrives (no task switch per output); returns once the request finished. What
+        `on_output` raises ends the request with that error, as would raising in the loop
+        over `generate`; so does cancelling the call."""
+        done: asyncio.Future[None] = self._running_loop().create_future()
+        finished = False
+
+        def deliver(item: RequestOutput | BaseException) -> None:
+            nonlocal finished
+            if done.done():
+                return
+            if isinstance(item, BaseException):
+                done.set_exception(item)
+                return
+            finished = item.all_finished
+            try:
+                on_output(item)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through `done`
+                done.set_exception(e)
+                return
+            if finished:
+                done.set_result(None)
+
+        future, rid = self._add(prompt, params, request_id, kv_transfer_params, deliver)
+        try:
+            await future
+            await done
+        finally:
+            self._abort_unless(finished, future, rid)
+
+    def _add(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None, kv_transfer_params: dict[str, Any] | None,
+        deliver: Deliver,
+    ) -> tuple[asyncio.Future[str], str]:
+        """Queue a request for the step thread: a future that resolves once it is added (or
+        fails: invalid input, a full queue), and its id."""
+        future: asyncio.Future[str] = self._running_loop().create_future()
+        # The id is fixed here, so a caller cancelled while the add is still queued can
+        # abort it too (the abort follows the add through the same queue).
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        self._submit(_Add(prompt, params, rid, kv_transfer_params, future, deliver))
+        return future, rid
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        if self.error is not None or self._loop is None:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        return self._loop
+
+    def _abort_unless(self, finished: bool, future: asyncio.Future[str], rid: str) -> None:
+        """A request's caller is done with it: abort it unless it finished or was refused."""
+        was_refused = future.done() and not future.cancelled() and future.exception() is not None
+        if not finished and not was_refused:
+            self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         """Thread-safe and idempotent: abort a request wherever it is."""
@@ -263,7 +322,7 @@ class AsyncLLMEngine:
                 except Exception as e:  # ValueError for bad input: the caller's to handle
                     self._resolve(command.future, None, e)
                     continue
-                self._streams[rid] = command.outputs
+                self._streams[rid] = command.deliver
                 self._resolve(command.future, rid, None)
 
     def _is_queue_full(self) -> bool:
@@ -286,7 +345,7 @@ class AsyncLLMEngine:
         self._loop.call_soon_threadsafe(settle)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        batch: list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]] = []
+        batch: list[tuple[Deliver, RequestOutput | BaseException]] = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -315,6 +374,6 @@ def _settle(future: asyncio.Future[BaseException] | None, error: BaseException) 
         future.set_result(error)
 
 
-def _put_all(batch: list[tuple[asyncio.Queue[Any], Any]]) -> None:
-    for stream, item in batch:
-        stream.put_nowait(item)
+def _put_all(batch: list[tuple[Deliver, RequestOutput | BaseException]]) -> None:
+    for deliver, item in batch:
+        deliver(item)
