@@ -10,6 +10,7 @@ import signal
 import sys
 
 from kvservice.client.cluster import LaunchError, LocalCluster
+from kvservice.config import LAUNCH_STEP_TARGET_MS
 from kvservice.runtime.engine_args import add_engine_arguments, engine_argv, engine_config
 from kvservice.runtime.event_loop import run_event_loop
 from kvservice.runtime.routing_args import add_routing_arguments, routing_argv
@@ -41,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_routing_arguments(parser)  # passed to the proxy
     add_tls_arguments(parser)
     add_worker_peer_names_argument(parser)  # passed to every worker
-    add_engine_arguments(parser)  # passed to every worker
+    # Passed to every worker; the lease's decode-to-decode cycle aims lower than `serve`'s steps.
+    add_engine_arguments(parser, step_target_ms=LAUNCH_STEP_TARGET_MS)
     parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker")
 
 

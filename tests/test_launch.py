@@ -18,6 +18,7 @@ from conftest import kill_all
 
 from kvservice.client import launch
 from kvservice.client.client import KVServiceClient
+from kvservice.config import LAUNCH_STEP_TARGET_MS, SERVING_STEP_TARGET_MS
 from kvservice.loading.model_files import load_model_config
 from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.runtime.engine_args import engine_config
@@ -51,9 +52,20 @@ def test_engine_flags_given_to_launch_are_every_workers_engine_config() -> None:
     assert engine_config(args).max_model_len == 256 and engine_config(args).dtype == "float32"
 
 
-def test_launch_passes_no_engine_flag_left_at_its_default() -> None:
+def test_launch_passes_no_engine_flag_left_at_serves_default() -> None:
+    """Only its own step target (the lease's cycle aims lower than `serve`'s steps)."""
     args = _parse(launch.add_arguments, "--num-decode", "2", "--no-kv-transfer-shm", "--", "--kv-staging-mib", "8")
-    assert launch.worker_argv(args) == ["--kv-staging-mib", "8"]  # (the shared-memory switch is launch's own)
+    # (the shared-memory switch is launch's own)
+    assert launch.worker_argv(args) == ["--step-target-ms", f"{LAUNCH_STEP_TARGET_MS}", "--kv-staging-mib", "8"]
+
+
+@pytest.mark.parametrize(("flags", "target_ms"), [([], LAUNCH_STEP_TARGET_MS), (["--step-target-ms", "80"], 80.0), (["--step-target-ms", "95"], 95.0)])
+def test_launchs_step_target_reaches_every_worker(flags: list[str], target_ms: float) -> None:
+    assert LAUNCH_STEP_TARGET_MS < SERVING_STEP_TARGET_MS
+    args = _parse(launch.add_arguments, *flags)
+    for role in ("prefill", "decode"):
+        worker = _parse(worker_server.add_arguments, "--role", role, *launch.worker_argv(args))
+        assert worker_server.engine_config(worker).step_target_ms == target_ms
 
 
 def test_routing_flags_given_to_launch_reach_the_proxy() -> None:

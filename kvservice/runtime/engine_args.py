@@ -19,8 +19,9 @@ from kvservice.config import (
 )
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """Add the engine flags to `parser` (in their own help section); returns their actions."""
+def add_engine_arguments(parser: argparse.ArgumentParser, step_target_ms: float = SERVING_STEP_TARGET_MS) -> list[argparse.Action]:
+    """Add the engine flags to `parser` (in their own help section); returns their actions.
+    `step_target_ms`: --step-target-ms's default (`launch` aims lower than `serve`)."""
     group = parser.add_argument_group("engine", "the model's placement, the KV cache and batching limits of every worker")
     return [
         group.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default: cpu)"),
@@ -41,13 +42,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> list[argparse.Actio
             f"(default: {DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE})",
         ),
         group.add_argument(
-            "--step-target-ms", type=float, default=SERVING_STEP_TARGET_MS, metavar="MS",
+            "--step-target-ms", type=float, default=step_target_ms, metavar="MS",
             help="the time from one decode step to the next that arriving prompts may cause, whatever the machine: "
             "a colocated worker's prompt lane and a prefill worker sharing the cores (--core-lease) compute prompts "
             "for what a decode step leaves of it; a step that chunks prompts adds prompt tokens until its time, "
             "predicted from the steps measured so far, reaches it; 0: chunks of the fixed "
             f"--max-prefill-tokens-with-decode, and {DEFAULT_STEP_TARGET_MS:g} ms for the lane and the lease "
-            f"(default: {SERVING_STEP_TARGET_MS:g})",
+            f"(default: {step_target_ms:g})",
         ),
         group.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)"),
         group.add_argument(
@@ -97,7 +98,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags of `args` that differ from their defaults, as a worker's argv."""
+    """The engine flags of `args` that differ from `serve`'s defaults, as a worker's argv."""
     argv: list[str] = []
     for action in add_engine_arguments(argparse.ArgumentParser(add_help=False)):
         value = getattr(args, action.dest)
