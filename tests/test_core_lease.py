@@ -193,3 +193,24 @@ def test_a_cluster_gives_a_lease_to_workers_whose_cores_overlap(
 def test_a_cluster_told_not_to_share_or_given_a_lease_makes_none() -> None:
     assert LocalCluster(core_lease=False)._core_lease_args() == []
     assert LocalCluster(worker_args=["--core-lease", "/tmp/x"])._core_lease_args() == []
+
+
+def test_a_traced_lease_logs_each_turn_a_hand_over_ends_and_the_one_it_takes_back(
+    lease_path: str, decode_steps: list[subprocess.Popen[str]]
+) -> None:
+    prefill = CoreLease(lease_path, LeaseRole.YIELDING, target_s=0.05)
+    prefill.turn_log = []
+    with prefill.turn():
+        decode = _waiting_decode_step(lease_path, decode_steps, prefill)
+        prefill.pause("matmul")
+        assert [_read(decode), _read(decode)] == ["holding", "released"]
+    assert decode.wait(_DEADLINE_S) == 0
+    (asked, taken, handed_over), (asked_back, taken_back, released) = prefill.turn_log
+    assert asked <= taken <= handed_over <= asked_back <= taken_back <= released
+    # Between the two: the decode step's turn (another process: its own log, were it traced).
+    assert taken_back - asked_back > 0
+    first = CoreLease(lease_path, LeaseRole.FIRST, target_s=0.05)
+    first.turn_log = []
+    with first.turn():
+        pass
+    assert len(first.turn_log) == 1 and first.turn_log[0][0] <= first.turn_log[0][1] <= first.turn_log[0][2]

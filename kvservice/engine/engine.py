@@ -23,6 +23,7 @@ from kvservice.core.request import Request, RequestStatus, check_request_id
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.scheduler import Scheduler
 from kvservice.engine.step_budget import StepTimeBudget
+from kvservice.engine.step_trace import StepTrace
 from kvservice.engine.stop_checker import OutputText
 from kvservice.loading.chat_template import Prompt, ResumedPrompt, encode_prompt
 from kvservice.loading.model_files import load_model_config
@@ -90,6 +91,10 @@ class LLMEngine:
         """`core_lease`: steps take turns on the cores with other workers on them (see `CoreLease`)."""
         self.config = config
         self.core_lease = core_lease
+        self.step_trace = StepTrace.from_env()  # off unless $KVSERVICE_STEP_TRACE names a directory
+        if core_lease is not None and self.step_trace is not None:
+            core_lease.turn_log = self.step_trace.turns
+            self.step_trace.lease_role = core_lease.role.value
         self.loaded: LoadedModel = load_model(
             model, config.dtype, config.device, config.max_model_len or load_model_config(model).max_position_embeddings
         )
@@ -246,11 +251,16 @@ class LLMEngine:
 
     def step(self, eager_finalize: bool = False) -> list[RequestOutput]:
         """One step; `eager_finalize` is the speculative benchmark's baseline (see `ModelRunner.execute_model`)."""
+        trace = self.step_trace
+        step_began = time.monotonic() if trace is not None else 0.0
         self._run_prompt_lane()
         scheduler_output = self.scheduler.schedule()
+        scheduled = time.monotonic() if trace is not None else 0.0
         with self._turn(scheduler_output):
             started = time.perf_counter()
+            computing = time.monotonic() if trace is not None else 0.0
             runner_output = self.runner.execute_model(scheduler_output, eager_finalize=eager_finalize)
+            computed = time.monotonic() if trace is not None else 0.0
         if scheduler_output.num_scheduled_tokens:  # what the step cost, for the next steps' prompt budget
             num_prompt = scheduler_output.num_prompt_tokens
             self._last_step_s = time.perf_counter() - started
@@ -270,7 +280,11 @@ class LLMEngine:
             runner_output.prompt_logprobs,
             runner_output.errors,
         )
-        return [out for core in core_outputs if (out := self._to_request_output(core)) is not None]
+        outputs = [out for core in core_outputs if (out := self._to_request_output(core)) is not None]
+        if trace is not None and scheduler_output.num_scheduled_tokens:
+            trace.steps.append((step_began, scheduled, computing, computed, time.monotonic(),
+                                scheduler_output.num_scheduled_tokens, len(scheduler_output.scheduled)))
+        return outputs
 
     def _run_prompt_lane(self) -> None:
         """A slice of the prompt lane before the step: what the last step left of the step target

@@ -66,6 +66,9 @@ class CoreLease:
         self._last_pause: tuple[str, float] | None = None  # this step's last pause point, and when
         self._segment_s: dict[str, float] = {}  # this step: how long the ops after each named point took
         self.num_handovers = 0  # times a yielding worker handed the turn over
+        # When set (`StepTrace`): (asked, taken, released) for each time this process held the turn.
+        self.turn_log: list[tuple[float, float, float]] | None = None
+        self._asked = self._taken = 0.0
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -75,6 +78,7 @@ class CoreLease:
     @contextlib.contextmanager
     def turn(self) -> Iterator[None]:
         """Hold the turn for one step."""
+        self._asked = time.monotonic()
         if self.role is LeaseRole.FIRST:
             self._take_first()  # its steps never pause: nothing to time
         else:
@@ -83,11 +87,13 @@ class CoreLease:
             # can take the requests whose first token the previous step produced (their KV was
             # pulled meanwhile), a quantum sooner.
             self._held_since = time.monotonic() - self.quantum_s
+        self._taken = time.monotonic()
         try:
             yield
         finally:
             self._held_since = self._last_pause = None
             self._segment_s.clear()
+            self._log_turn()
             fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _TURN)
 
     def pause(self, next_op: str) -> None:
@@ -101,6 +107,7 @@ class CoreLease:
         if held_since is None or now - held_since + self._segment_s.get(next_op, 0.0) < self.quantum_s or not self.others_wait():
             return
         self.num_handovers += 1
+        self._asked = self._log_turn()  # the turn ends here, and the wait for the next starts
         # Blocked in the kernel until every waiting decode step holds the turn (each drops its
         # share of _WANT once it does, and only then is _WANT free to lock exclusively), then
         # until the turn comes back; again while another decode step queued meanwhile. Polling
@@ -113,9 +120,16 @@ class CoreLease:
             fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _TURN)
             if not self.others_wait():
                 break
-        self._held_since = time.monotonic()
+        self._held_since = self._taken = time.monotonic()
         self._last_pause = (next_op, self._held_since)
         self.quantum_s = prompt_quantum(self.target_s, self._held_since - now)
+
+    def _log_turn(self) -> float:
+        """Log the turn that ends now (when tracing); returns now."""
+        now = time.monotonic()
+        if self.turn_log is not None:
+            self.turn_log.append((self._asked, self._taken, now))
+        return now
 
     def others_wait(self) -> bool:
         """Whether a decode step waits for the turn."""
