@@ -160,6 +160,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
 
     metrics = ServerMetrics(args.role)
     prefill_service: PrefillWorkerService | None = None
+    transfer_service: KVTransferService | None = None
     worker_service: EngineWorkerService
     credentials = tls.server_credentials()
     generation: ColocatedGenerationService | None = None
@@ -222,6 +223,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         await async_engine.stop()
         if connector is not None:
             connector.shutdown()
+        if transfer_service is not None:
+            transfer_service.close()
 
     async def prepare_drain(deadline: float) -> None:
         kv_events.close()  # event streams never end by themselves: end them before the drain waits for them

@@ -19,7 +19,14 @@ from kvservice.connector import shared_memory, wire
 from kvservice.connector.kv_puller import LoadSpec, pull_kv
 from kvservice.connector.kv_transfer_service import FAULT_CORRUPT_CHUNK_EVERY, KVTransferService
 from kvservice.connector.prefill_connector import PrefillConnectorMetadata, PrefillKVConnector, SaveSpec
-from kvservice.connector.shared_memory import CONTROL_BYTES, RingWriter, SegmentPool, SharedMemoryUnavailable, SharedSegment
+from kvservice.connector.shared_memory import (
+    CONTROL_BYTES,
+    OpenSegments,
+    RingWriter,
+    SegmentPool,
+    SharedMemoryUnavailable,
+    SharedSegment,
+)
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import TransferRegistry
 from kvservice.core.outputs import KVTransferCounters
@@ -49,6 +56,22 @@ def no_segment_left_behind() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------- the segment
+
+
+def test_the_prefill_side_keeps_at_most_its_capacity_mapped_and_unmaps_them_on_close() -> None:
+    created = [SharedSegment.create(CONTROL_BYTES + 100) for _ in range(3)]
+    opened = OpenSegments(capacity=2)
+    try:
+        first, second = opened.open(created[0].name), opened.open(created[1].name)
+        assert opened.open(created[0].name) is first  # mapped once, by name
+        third = opened.open(created[2].name)  # past the capacity: the least recently used goes
+        assert second._mmap is None and first._mmap is not None and third._mmap is not None
+        opened.close()
+        assert first._mmap is None and third._mmap is None
+    finally:
+        for segment in created:
+            segment.unlink()
+            segment.close()
 
 
 def test_a_segment_is_private_to_its_user_and_gone_from_the_namespace_once_unlinked() -> None:

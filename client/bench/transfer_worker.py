@@ -219,7 +219,8 @@ async def _serve_prefill(conn: Connection, setup: BenchSetup) -> None:
         return time.perf_counter() - start
 
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    server.add_generic_rpc_handlers((KVTransferService(registry).handler(),))
+    transfer_service = KVTransferService(registry)
+    server.add_generic_rpc_handlers((transfer_service.handler(),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
@@ -233,6 +234,7 @@ async def _serve_prefill(conn: Connection, setup: BenchSetup) -> None:
                 conn.send(CpuTime(time.process_time()))
     finally:
         await server.stop(grace=1.0)
+        transfer_service.close()
     memory = {
         "idle_rss_bytes": idle_rss,
         "peak_rss_bytes": peak_rss_bytes(),

@@ -45,6 +45,10 @@ class KVTransferService:
         self._corrupt_every = int(os.environ.get(FAULT_CORRUPT_CHUNK_EVERY, "0"))
         self._segments = OpenSegments()  # pullers' segments, kept mapped: a puller reuses them
 
+    def close(self) -> None:
+        """Unmap the pullers' segments (once the server has stopped: no pull is running)."""
+        self._segments.close()
+
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
             "kvservice.v1.KVTransfer",
