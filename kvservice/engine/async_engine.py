@@ -4,7 +4,8 @@ The step loop runs in a thread of its own so the event loop never blocks on a
 forward. Commands (add, abort) reach the thread through a queue and are applied
 between steps; outputs come back through `loop.call_soon_threadsafe`, one batch per
 step: into each request's queue (`generate`), or straight to its callback (`run`,
-for a caller that only forwards them: no task switch per output). With a `kv_events_sink`, the thread hands it each step's prefix cache events
+for a caller that only forwards them: no task switch per output). With a
+`kv_events_sink`, the thread hands it each step's prefix cache events
 (`LLMEngine.take_kv_events`) right after the step, so their order and a snapshot taken
 with `call` agree. A step that computed nothing (requests waiting for remote KV, or for blocks that
 in-flight pulls hold) waits on a wake-up event that the connector sets when a transfer

@@ -251,19 +251,17 @@ class LLMEngine:
 
     def step(self, eager_finalize: bool = False) -> list[RequestOutput]:
         """One step; `eager_finalize` is the speculative benchmark's baseline (see `ModelRunner.execute_model`)."""
-        trace = self.step_trace
-        step_began = time.monotonic() if trace is not None else 0.0
+        step_began = time.monotonic()  # these times: the step budget's, and the trace's (`StepTrace`)
         self._run_prompt_lane()
         scheduler_output = self.scheduler.schedule()
-        scheduled = time.monotonic() if trace is not None else 0.0
+        scheduled = time.monotonic()
         with self._turn(scheduler_output):
-            started = time.perf_counter()
-            computing = time.monotonic() if trace is not None else 0.0
+            started = time.monotonic()
             runner_output = self.runner.execute_model(scheduler_output, eager_finalize=eager_finalize)
-            computed = time.monotonic() if trace is not None else 0.0
+            computed = time.monotonic()
         if scheduler_output.num_scheduled_tokens:  # what the step cost, for the next steps' prompt budget
             num_prompt = scheduler_output.num_prompt_tokens
-            self._last_step_s = time.perf_counter() - started
+            self._last_step_s = time.monotonic() - started
             self.scheduler.step_budget.observe(scheduler_output.num_scheduled_tokens - num_prompt, num_prompt, self._last_step_s)
         kv_output = runner_output.kv_connector_output
         self.is_last_step_idle = (
@@ -281,9 +279,9 @@ class LLMEngine:
             runner_output.errors,
         )
         outputs = [out for core in core_outputs if (out := self._to_request_output(core)) is not None]
-        if trace is not None and scheduler_output.num_scheduled_tokens:
-            trace.steps.append((step_began, scheduled, computing, computed, time.monotonic(),
-                                scheduler_output.num_scheduled_tokens, len(scheduler_output.scheduled)))
+        if self.step_trace is not None and scheduler_output.num_scheduled_tokens:
+            self.step_trace.steps.append((step_began, scheduled, started, computed, time.monotonic(),
+                                          scheduler_output.num_scheduled_tokens, len(scheduler_output.scheduled)))
         return outputs
 
     def _run_prompt_lane(self) -> None:
