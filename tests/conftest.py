@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import os
 import pathlib
 import signal
+import sys
 import time
+import types
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -178,6 +181,20 @@ async def kill_all(processes: Sequence[asyncio.subprocess.Process]) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             await process.wait()
+
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def load_repo_module(relative_path: str, name: str) -> types.ModuleType:
+    """A repository file that is no package module (a script under scripts/, proto/generate.py),
+    imported as `name` and registered in sys.modules (dataclasses look their module up by name)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / relative_path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @contextlib.asynccontextmanager

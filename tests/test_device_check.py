@@ -4,17 +4,15 @@ step passes and every figure is a number; a failing step is recorded and the oth
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import pathlib
 import subprocess
-import sys
 import types
 
 import pytest
+from conftest import REPO, load_repo_module
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXPECTED_FIGURES = [
     "pd_transfer.num_mismatched_requests",
     "pd_transfer.kv_bytes_pulled",
@@ -31,12 +29,7 @@ EXPECTED_FIGURES = [
 
 
 def _load_script() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("device_check", ROOT / "scripts" / "device_check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_repo_module("scripts/device_check.py", "device_check")
 
 
 @pytest.mark.slow
@@ -44,7 +37,7 @@ def _load_script() -> types.ModuleType:
 def test_quick_cpu_run_reports_every_figure_as_a_number(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "figures.json"
     result = subprocess.run(
-        [str(ROOT / "scripts" / "device_check.sh"), "--device", "cpu", "--quick", "--out", str(out), "--time-limit", "140"],
+        [str(REPO / "scripts" / "device_check.sh"), "--device", "cpu", "--quick", "--out", str(out), "--time-limit", "140"],
         capture_output=True, text=True, timeout=180, check=False,
     )
     report = json.loads(out.read_text())

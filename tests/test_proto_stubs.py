@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
+import types
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from conftest import REPO, load_repo_module
 
 
-def _generator():
-    spec = importlib.util.spec_from_file_location("proto_generate", REPO / "proto" / "generate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _generator() -> types.ModuleType:
+    return load_repo_module("proto/generate.py", "proto_generate")
 
 
 def test_committed_stubs_are_fresh(tmp_path: pathlib.Path) -> None:

@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
+from conftest import load_repo_module
 
-_PATH = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "sched_trace.py"
-_spec = importlib.util.spec_from_file_location("sched_trace", _PATH)
-assert _spec is not None and _spec.loader is not None
-sched_trace = importlib.util.module_from_spec(_spec)
-sys.modules["sched_trace"] = sched_trace
-_spec.loader.exec_module(sched_trace)
+sched_trace = load_repo_module("scripts/sched_trace.py", "sched_trace")
 
 STEP, POOL, LOOP = 101, 102, 103  # one decode worker (pid 100): its two compute threads and its event loop
 _FUTEX = "\t        7f00 __futex_abstimed_wait_common (/usr/lib/x86_64-linux-gnu/libc.so.6)\n"

@@ -3,7 +3,6 @@ them when its process exits; scripts/step_trace.py reads them back into where th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -12,21 +11,12 @@ import subprocess
 import sys
 
 import pytest
+from conftest import load_repo_module
 
 from kvservice.config import EngineConfig
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine
 from kvservice.engine.step_trace import TRACE_DIR_ENV, StepTrace
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _report_module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("step_trace_script", ROOT / "scripts" / "step_trace.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_off_unless_the_variable_names_a_directory(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,7 +59,7 @@ def test_a_traced_process_writes_its_file_when_it_exits(tmp_path: pathlib.Path) 
 
 
 def test_the_report_splits_the_window_by_step_phase_and_by_turn() -> None:
-    script = _report_module()
+    script = load_repo_module("scripts/step_trace.py", "step_trace_script")
     # A decode worker: steps of 4 ms (1 to schedule, 1 waiting, 2 computing) every 10 ms, each in
     # a turn; a prefill worker holding the turn 5 ms of the 6 between them: 1 ms a cycle unheld.
     decode_steps = [(t, t + 0.001, t + 0.002, t + 0.004, t + 0.004, 16, 16) for t in (i * 0.010 for i in range(100))]
