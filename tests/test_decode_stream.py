@@ -9,6 +9,7 @@ without the stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -168,6 +169,16 @@ async def test_a_draining_worker_finishes_its_requests_refuses_new_ones_and_ends
 # ---------------------------------------------------------------- the proxy's side
 
 
+@contextlib.asynccontextmanager
+async def _proxy_streams(stub: pb_grpc.WorkerStub, address: str) -> AsyncIterator[DecodeStreams]:
+    """The proxy's DecodeStreams to `stub`'s worker, closed after the test."""
+    streams = DecodeStreams(stub, None, address)
+    try:
+        yield streams
+    finally:
+        await streams.close()
+
+
 async def _tokens(call: AsyncIterator[pb.GenerateResponse]) -> list[int]:
     return [t async for response in call for t in response.token_ids]
 
@@ -176,8 +187,7 @@ async def test_the_proxys_calls_share_one_stream_and_get_their_tokens(
     decode_worker: tuple[DecodeWorkerService, pb_grpc.WorkerStub],
 ) -> None:
     _, stub = decode_worker
-    streams = DecodeStreams(stub, None, "decode")
-    try:
+    async with _proxy_streams(stub, "decode") as streams:
         calls = [streams.open(_request(f"r{i}", p, 10), 30.0) for i, p in enumerate(PROMPTS)]
         results = await asyncio.gather(*(_tokens(call) for call in calls))
         assert results == tiny_greedy(PROMPTS, 10)
@@ -186,38 +196,30 @@ async def test_the_proxys_calls_share_one_stream_and_get_their_tokens(
         # A later request rides the same stream.
         assert await _tokens(streams.open(_request("later", PROMPTS[1], 3), 30.0)) == tiny_greedy([PROMPTS[1]], 3)[0]
         assert streams.num_streams_opened == 1
-    finally:
-        await streams.close()
 
 
 async def test_a_call_past_its_deadline_fails_and_is_cancelled_on_the_worker(
     decode_worker: tuple[DecodeWorkerService, pb_grpc.WorkerStub],
 ) -> None:
     service, stub = decode_worker
-    streams = DecodeStreams(stub, None, "decode")
-    try:
+    async with _proxy_streams(stub, "decode") as streams:
         call = streams.open(_request("slow", PROMPTS[0], LONG), 0.05)
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             await _tokens(call)
         assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await wait_for(lambda: _has_no_requests(service), "the worker to abort the request past its deadline")
         assert await _tokens(streams.open(_request("next", PROMPTS[1], 3), 30.0)) == tiny_greedy([PROMPTS[1]], 3)[0]
-    finally:
-        await streams.close()
 
 
 async def test_cancelling_a_call_aborts_its_request_on_the_worker(decode_worker: tuple[DecodeWorkerService, pb_grpc.WorkerStub]) -> None:
     service, stub = decode_worker
-    streams = DecodeStreams(stub, None, "decode")
-    try:
+    async with _proxy_streams(stub, "decode") as streams:
         call = streams.open(_request("left", PROMPTS[0], LONG), 30.0)
         first = await aiter(call).__anext__()
         assert first.token_ids
         assert call.cancel() is True
         assert call.cancel() is False
         await wait_for(lambda: _has_no_requests(service), "the worker to abort the cancelled request")
-    finally:
-        await streams.close()
 
 
 class _DecodeOnly(pb_grpc.WorkerServicer):
@@ -231,15 +233,12 @@ class _DecodeOnly(pb_grpc.WorkerServicer):
 
 async def test_a_worker_without_decode_stream_gets_decode_calls() -> None:
     async with serving_worker(_DecodeOnly()) as address, grpc.aio.insecure_channel(address) as channel:
-        streams = DecodeStreams(pb_grpc.WorkerStub(channel), None, address)
-        try:
+        async with _proxy_streams(pb_grpc.WorkerStub(channel), address) as streams:
             first = [streams.open(_request(f"r{i}", [1, 2], 2), 10.0) for i in range(2)]  # both wait on the stream
             assert await asyncio.gather(*(_tokens(call) for call in first)) == [[7, 8], [7, 8]]
             assert streams.is_supported is False
             assert await _tokens(streams.open(_request("r2", [1, 2], 2), 10.0)) == [7, 8]
             assert streams.num_streams_opened == 1
-        finally:
-            await streams.close()
 
 
 class _Breaking(pb_grpc.WorkerServicer):
@@ -262,8 +261,7 @@ class _Breaking(pb_grpc.WorkerServicer):
 async def test_requests_on_a_broken_stream_fail_with_its_status_and_the_next_opens_another() -> None:
     worker = _Breaking()
     async with serving_worker(worker) as address, grpc.aio.insecure_channel(address) as channel:
-        streams = DecodeStreams(pb_grpc.WorkerStub(channel), None, address)
-        try:
+        async with _proxy_streams(pb_grpc.WorkerStub(channel), address) as streams:
             for attempt in range(2):
                 call = streams.open(_request(f"r{attempt}", [1, 2], 5), 10.0)
                 received: list[int] = []
@@ -273,8 +271,6 @@ async def test_requests_on_a_broken_stream_fail_with_its_status_and_the_next_ope
                 assert received == [5]
                 assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
             assert streams.num_streams_opened == worker.num_streams == 2
-        finally:
-            await streams.close()
 
 
 async def test_a_request_too_big_to_share_the_stream_gets_a_decode_call_of_its_own(
@@ -284,11 +280,8 @@ async def test_a_request_too_big_to_share_the_stream_gets_a_decode_call_of_its_o
     _, stub = decode_worker
     request = _request("big", PROMPTS[2], 3)
     monkeypatch.setattr(decode_stream, "STREAM_MAX_REQUEST_BYTES", request.ByteSize() - 1)
-    streams = DecodeStreams(stub, None, "decode")
-    try:
+    async with _proxy_streams(stub, "decode") as streams:
         assert await _tokens(streams.open(request, 30.0)) == tiny_greedy([PROMPTS[2]], 3)[0]
         assert streams.num_streams_opened == 0
         assert await _tokens(streams.open(_request("small", PROMPTS[1], 3), 30.0)) == tiny_greedy([PROMPTS[1]], 3)[0]
         assert streams.num_streams_opened == 1
-    finally:
-        await streams.close()
