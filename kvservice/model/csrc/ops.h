@@ -11,6 +11,9 @@ at::Tensor block_quant_linear(const at::Tensor& x, const at::Tensor& codes, cons
                               const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
 at::Tensor add_rms_norm_(at::Tensor residual, const c10::optional<at::Tensor>& x, const at::Tensor& weight,
                          double eps);
+// What rotary_ checks before it rotates anything (shapes, dtypes, every position in the tables).
+void check_rotary_args(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_table,
+                       const at::Tensor& sin_table, int64_t num_heads, int64_t head_dim);
 void rotary_(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
              int64_t num_heads, int64_t head_dim);
 // SwiGLU's act = silu(gate) * up of the fused [T, 2I] gate/up projection: [T, I].

@@ -21,7 +21,9 @@
 
 namespace {
 
-constexpr int64_t kGrainElements = 1 << 15;  // a task's least work: smaller jobs stay on the caller's thread
+// A task's least work: smaller jobs stay on the caller's thread. At 1 << 15, a decode step's
+// 14 rows of SmolLM2's 1,536 stayed there: ~8 us a call, 0.24 ms a step, the other thread spinning.
+constexpr int64_t kGrainElements = 1 << 12;
 
 inline float silu_scalar(float x) {
   const float e = std::exp(-std::fabs(x));  // exp(-|x|) in (0, 1]
