@@ -24,7 +24,7 @@
 
 namespace {
 
-constexpr int64_t kNormRows = 8;  // rows whose sums of squares run side by side
+constexpr int64_t kNormRows = 8;  // rows whose sums of squares run side by side (the switch below counts to it)
 // A task's least rows. A decode step's 14 rows on one thread kept the other spinning: its 60
 // norms and 30 rotaries took 0.3 and 0.09 ms a step (SmolLM2), ~5 and ~3 us a call.
 constexpr int64_t kGrainRows = 4;
@@ -71,10 +71,17 @@ at::Tensor add_rms_norm_(at::Tensor residual, const c10::optional<at::Tensor>& x
             }
           }
         };
-        if (n == kNormRows) {
-          sum_squares(std::integral_constant<int64_t, kNormRows>());  // a fixed count: the sums stay in registers
-        } else {
-          sum_squares(n);
+        // A fixed count, so the sums stay in registers: a 7-row task (a 14-request decode step
+        // split over two threads) took ~5 us a norm with the count a variable, against ~1.
+        switch (n) {
+          case 1: sum_squares(std::integral_constant<int64_t, 1>()); break;
+          case 2: sum_squares(std::integral_constant<int64_t, 2>()); break;
+          case 3: sum_squares(std::integral_constant<int64_t, 3>()); break;
+          case 4: sum_squares(std::integral_constant<int64_t, 4>()); break;
+          case 5: sum_squares(std::integral_constant<int64_t, 5>()); break;
+          case 6: sum_squares(std::integral_constant<int64_t, 6>()); break;
+          case 7: sum_squares(std::integral_constant<int64_t, 7>()); break;
+          default: sum_squares(std::integral_constant<int64_t, kNormRows>()); break;
         }
         for (int64_t j = 0; j < n; ++j) {
           const scalar_t* rr = r + (t0 + j) * hidden;
