@@ -422,26 +422,38 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
       const bool whole = batch >= 4 * threads;
       const int64_t splits = whole ? 1 : std::min<int64_t>(group, (4 * threads + batch * num_kv_heads - 1) / (batch * num_kv_heads));
       const int64_t per_request = whole ? 1 : num_kv_heads * splits;
+      auto run = [&](int64_t task, BlockLines& next_k, BlockLines& next_v, std::vector<float>& scores,
+                     std::vector<const float*>& tokens) {
+        const int64_t b = task / per_request, h = whole ? 0 : task / splits % num_kv_heads, s = task % splits;
+        const int64_t offset = b * num_queries * num_heads * head_dim;
+        kernel(reinterpret_cast<const float*>(q_ptr + offset), reinterpret_cast<const float*>(kv_ptr),
+               table + b * max_blocks, start_ptr[b], num_queries, group, h, whole ? num_kv_heads : h + 1,
+               group * s / splits, group * (s + 1) / splits, num_heads, num_kv_heads, block_size, v_offset,
+               static_cast<float>(scale), reinterpret_cast<float*>(out_ptr + offset), scores, tokens, next_k, next_v);
+      };
+      if (whole) {
+        // Requests, balanced: a thread whose requests run slower hands its last ones over (14
+        // requests in halves: the threads finished ~30 us apart a layer, SmolLM2). Each prefetches
+        // the request it computes next, or after its range's last, the range's first in the next
+        // layer (the same threads take the same ranges there).
+        kvservice::parallel_for_balanced(batch, [&](int64_t b, int64_t next, int64_t first) {
+          thread_local std::vector<float> scores;
+          thread_local std::vector<const float*> tokens;
+          BlockLines next_k, next_v;
+          if (next >= 0 || has_next) {
+            const RequestBlocks& cache = next >= 0 ? this_layer : next_layer;
+            next_k = cache.lines(next >= 0 ? next : first, false);
+            next_v = cache.lines(next >= 0 ? next : first, true);
+          }
+          run(b, next_k, next_v, scores, tokens);
+        });
+        return;
+      }
       kvservice::parallel_for(batch * per_request, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores;
         std::vector<const float*> tokens;
-        for (int64_t task = begin; task < end; ++task) {
-          const int64_t b = task / per_request, h = whole ? 0 : task / splits % num_kv_heads, s = task % splits;
-          const int64_t offset = b * num_queries * num_heads * head_dim;
-          // Whole requests: the next this thread computes, prefetched meanwhile (after its last,
-          // its first in the next layer: the same threads take the same requests there).
-          BlockLines next_k, next_v;
-          const bool last = task + 1 == end;
-          if (whole && (!last || has_next)) {
-            const RequestBlocks& cache = last ? next_layer : this_layer;
-            next_k = cache.lines(last ? begin : b + 1, false);
-            next_v = cache.lines(last ? begin : b + 1, true);
-          }
-          kernel(reinterpret_cast<const float*>(q_ptr + offset), reinterpret_cast<const float*>(kv_ptr),
-                 table + b * max_blocks, start_ptr[b], num_queries, group, h, whole ? num_kv_heads : h + 1,
-                 group * s / splits, group * (s + 1) / splits, num_heads, num_kv_heads, block_size, v_offset,
-                 static_cast<float>(scale), reinterpret_cast<float*>(out_ptr + offset), scores, tokens, next_k, next_v);
-        }
+        BlockLines none_k, none_v;  // nothing to prefetch
+        for (int64_t task = begin; task < end; ++task) run(task, none_k, none_v, scores, tokens);
       });
       return;
     }

@@ -9,12 +9,20 @@
 // parallel_for(n, grain, fn) calls fn(begin, end) over [0, n) in chunks of at least `grain`,
 // on up to at::get_num_threads() threads, the calling one included, and returns when all
 // chunks are done. One job at a time (a mutex serialises callers); not reentrant from fn.
+//
+// parallel_for_balanced(n, fn) calls fn(task, next, first) for every task in [0, n): each
+// thread takes its own contiguous range front to back, then the tasks the others have not
+// started from their ranges' backs. So a thread whose range runs slower (its memory, or its
+// core taken a moment) hands its last tasks over. `next` is the task this thread takes next if
+// no other thread takes it first (-1: none left in the range: what it computes next is
+// unknown), `first` the first task of the range the task came from: fn can prefetch for them.
 
 #pragma once
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -44,6 +52,26 @@ class ThreadPool {
     return *pool;
   }
 
+  void parallel_for_balanced(int64_t n, const std::function<void(int64_t, int64_t, int64_t)>& fn) {
+    if (n <= 0) return;
+    const int64_t ranges = std::min<int64_t>(std::max<int64_t>(1, at::get_num_threads()), std::min<int64_t>(n, kMaxRanges));
+    // Front (low 32 bits) and back (high 32 bits) of each range, each taken by compare-and-swap.
+    std::array<std::atomic<uint64_t>, kMaxRanges> bounds;
+    std::array<int64_t, kMaxRanges> firsts{};
+    for (int64_t r = 0; r < ranges; ++r) {
+      firsts[r] = n * r / ranges;
+      bounds[r].store(static_cast<uint64_t>(firsts[r]) | static_cast<uint64_t>(n * (r + 1) / ranges) << 32, std::memory_order_relaxed);
+    }
+    parallel_for(ranges, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t own = begin; own < end; ++own) {
+        for (int64_t task, next; take(bounds[own], true, task, next);) fn(task, next, firsts[own]);
+      }
+      for (int64_t other = 0; other < ranges; ++other) {
+        for (int64_t task, next; take(bounds[other], false, task, next);) fn(task, next, firsts[other]);
+      }
+    });
+  }
+
   void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
     if (n <= 0) return;
     const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -71,6 +99,24 @@ class ThreadPool {
   }
 
  private:
+  static constexpr int64_t kMaxRanges = 64;
+
+  // The next task of a range packed as front | back << 32: its front (or its back, for a thief),
+  // and the one after it from the same end (-1 if none); false once the range is empty.
+  static bool take(std::atomic<uint64_t>& range, bool front, int64_t& task, int64_t& next) {
+    uint64_t bounds = range.load(std::memory_order_acquire);
+    while (true) {
+      const uint64_t lo = bounds & 0xffffffffu, hi = bounds >> 32;
+      if (lo >= hi) return false;
+      const uint64_t updated = front ? (lo + 1) | hi << 32 : lo | (hi - 1) << 32;
+      if (range.compare_exchange_weak(bounds, updated, std::memory_order_acq_rel, std::memory_order_acquire)) {
+        task = static_cast<int64_t>(front ? lo : hi - 1);
+        next = hi - lo < 2 ? -1 : static_cast<int64_t>(front ? lo + 1 : hi - 2);
+        return true;
+      }
+    }
+  }
+
   struct Job {
     const std::function<void(int64_t, int64_t)>* fn;
     int64_t n;
@@ -133,6 +179,10 @@ class ThreadPool {
 
 inline void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
   ThreadPool::instance().parallel_for(n, grain, fn);
+}
+
+inline void parallel_for_balanced(int64_t n, const std::function<void(int64_t, int64_t, int64_t)>& fn) {
+  ThreadPool::instance().parallel_for_balanced(n, fn);
 }
 
 }  // namespace kvservice
