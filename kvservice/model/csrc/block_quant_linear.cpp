@@ -452,17 +452,16 @@ void linear_panels(const float* x, int64_t m_size, int64_t k_size, const uint8_t
     // Pairs of panels in the direct path too from 4 rows, where its sums run over k in order.
     const int64_t wide_max = direct && m_size < 4 ? 1 : kWide;
     const bool use_tile = !direct && n_size * static_cast<int64_t>(sizeof(float)) % 4096 == 0;
-    kvservice::parallel_for((num_panels + wide_max - 1) / wide_max, 16 / wide_max, [&](int64_t begin, int64_t end) {
-      alignas(64) float buf[kChunk * kPanel];
-      alignas(64) float tile[kRowBlock * kWide * kPanel];  // the buffered path's sums (32 KiB)
-      for (int64_t group = begin; group < end; ++group) {
+    // One group: `wide` panels from p0; `next`: the group this thread computes after it (-1: unknown).
+    // buf and tile: the buffered path's (kChunk * kPanel floats, and kRowBlock * kWide * kPanel).
+    const auto compute_group = [&](int64_t group, int64_t next, float* buf, float* tile) {
         const int64_t p0 = group * wide_max, wide = std::min(wide_max, num_panels - p0);
         float* sums = acc_block + p0 * kPanel;  // the group's sums, row r at sums + r * sums_stride
         int64_t sums_stride = n_size;
-        if (direct && wide_max == 2 && group + 1 < end) {  // the next pair's weights, while this one computes
-          const int64_t next = std::min(wide_max, num_panels - p0 - wide);
-          prefetch_panels(codes + (p0 + wide) * panel_code_bytes, next * panel_code_bytes, scales + (p0 + wide) * panel_blocks,
-                          mins + (p0 + wide) * panel_blocks, next * panel_blocks * static_cast<int64_t>(sizeof(at::Half)));
+        if (direct && wide_max == 2 && next >= 0) {  // the next pair's weights, while this one computes
+          const int64_t q0 = next * wide_max, next_wide = std::min(wide_max, num_panels - q0);
+          prefetch_panels(codes + q0 * panel_code_bytes, next_wide * panel_code_bytes, scales + q0 * panel_blocks,
+                          mins + q0 * panel_blocks, next_wide * panel_blocks * static_cast<int64_t>(sizeof(at::Half)));
         }
         if (direct && wide == 2) {  // rows in even groups of up to 8, each dequantizing the pair
           const int64_t groups = (m_len + 7) / 8, per = (m_len + groups - 1) / groups;
@@ -509,7 +508,20 @@ void linear_panels(const float* x, int64_t m_size, int64_t k_size, const uint8_t
           store_panel(sums + w * kPanel, sums_stride, m_len, bias == nullptr ? nullptr : bias + p * kPanel,
                       y + m0 * n_size + p * kPanel, n_size);
         }
-      }
+    };
+    const int64_t num_groups = (num_panels + wide_max - 1) / wide_max, grain = 16 / wide_max;
+    if (direct && num_groups > grain) {
+      // Decode: groups balanced between the threads (each its range front to back, then the
+      // others' last): two halves of equal work finished a few us apart, one thread spinning.
+      kvservice::parallel_for_balanced(num_groups, [&](int64_t group, int64_t next, int64_t) {
+        compute_group(group, next, nullptr, nullptr);
+      });
+      continue;
+    }
+    kvservice::parallel_for(num_groups, grain, [&](int64_t begin, int64_t end) {
+      alignas(64) float buf[kChunk * kPanel];
+      alignas(64) float tile[kRowBlock * kWide * kPanel];  // the buffered path's sums (32 KiB)
+      for (int64_t group = begin; group < end; ++group) compute_group(group, group + 1 < end ? group + 1 : -1, buf, tile);
     });
   }
 }

@@ -55,19 +55,24 @@ class ThreadPool {
   void parallel_for_balanced(int64_t n, const std::function<void(int64_t, int64_t, int64_t)>& fn) {
     if (n <= 0) return;
     const int64_t ranges = std::min<int64_t>(std::max<int64_t>(1, at::get_num_threads()), std::min<int64_t>(n, kMaxRanges));
-    // Front (low 32 bits) and back (high 32 bits) of each range, each taken by compare-and-swap.
-    std::array<std::atomic<uint64_t>, kMaxRanges> bounds;
+    // Front (low 32 bits) and back (high 32 bits) of each range, each taken by compare-and-swap;
+    // a cache line each, or every take by one thread would steal the line from the other.
+    struct alignas(64) Bounds {
+      std::atomic<uint64_t> value;
+    };
+    std::array<Bounds, kMaxRanges> bounds;
     std::array<int64_t, kMaxRanges> firsts{};
     for (int64_t r = 0; r < ranges; ++r) {
       firsts[r] = n * r / ranges;
-      bounds[r].store(static_cast<uint64_t>(firsts[r]) | static_cast<uint64_t>(n * (r + 1) / ranges) << 32, std::memory_order_relaxed);
+      bounds[r].value.store(static_cast<uint64_t>(firsts[r]) | static_cast<uint64_t>(n * (r + 1) / ranges) << 32,
+                            std::memory_order_relaxed);
     }
     parallel_for(ranges, 1, [&](int64_t begin, int64_t end) {
       for (int64_t own = begin; own < end; ++own) {
-        for (int64_t task, next; take(bounds[own], true, task, next);) fn(task, next, firsts[own]);
+        for (int64_t task, next; take(bounds[own].value, true, task, next);) fn(task, next, firsts[own]);
       }
       for (int64_t other = 0; other < ranges; ++other) {
-        for (int64_t task, next; take(bounds[other], false, task, next);) fn(task, next, firsts[other]);
+        for (int64_t task, next; take(bounds[other].value, false, task, next);) fn(task, next, firsts[other]);
       }
     });
   }
