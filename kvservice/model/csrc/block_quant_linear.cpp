@@ -428,6 +428,15 @@ void store_panel(const float* acc, int64_t acc_stride, int64_t m_size, const sca
   }
 }
 
+// This thread's buffered-path scratch: a dequantized chunk (kChunk * kPanel floats), then a tile
+// of sums (kRowBlock * kWide * kPanel), 64-byte aligned; allocated on a thread's first use.
+float* thread_buffers() {
+  constexpr size_t kFloats = kChunk * kPanel + kRowBlock * kWide * kPanel;
+  thread_local std::vector<float> storage(kFloats + 16);
+  const auto address = reinterpret_cast<uintptr_t>(storage.data());
+  return reinterpret_cast<float*>((address + 63) & ~static_cast<uintptr_t>(63));
+}
+
 // acc [M, N] float32 = x W^T, then y = acc + bias in scalar_t, panel by panel. Many rows go
 // kRowBlock at a time through every panel, so the block of x every panel reads stays in L2
 // and the strip of y a panel writes spans few pages (SmolLM2's gate/up projection of a
@@ -510,11 +519,18 @@ void linear_panels(const float* x, int64_t m_size, int64_t k_size, const uint8_t
         }
     };
     const int64_t num_groups = (num_panels + wide_max - 1) / wide_max, grain = 16 / wide_max;
-    if (direct && num_groups > grain) {
-      // Decode: groups balanced between the threads (each its range front to back, then the
-      // others' last): two halves of equal work finished a few us apart, one thread spinning.
+    if (num_groups > grain) {
+      // Groups balanced between the threads (each its range front to back, then the others'
+      // last). Decode: two halves of equal work finished a few us apart, one thread spinning.
+      // Prompts: a thread whose core a serving thread takes for a while (1P1D's proxy and
+      // workers' event loops) no longer holds up the other for that long.
       kvservice::parallel_for_balanced(num_groups, [&](int64_t group, int64_t next, int64_t) {
-        compute_group(group, next, nullptr, nullptr);
+        if (direct) {
+          compute_group(group, next, nullptr, nullptr);
+          return;
+        }
+        float* buffers = thread_buffers();
+        compute_group(group, -1, buffers, buffers + kChunk * kPanel);
       });
       continue;
     }
