@@ -518,27 +518,21 @@ void linear_panels(const float* x, int64_t m_size, int64_t k_size, const uint8_t
                       y + m0 * n_size + p * kPanel, n_size);
         }
     };
-    const int64_t num_groups = (num_panels + wide_max - 1) / wide_max, grain = 16 / wide_max;
-    if (num_groups > grain) {
-      // Groups balanced between the threads (each its range front to back, then the others'
-      // last). Decode: two halves of equal work finished a few us apart, one thread spinning.
-      // Prompts: a thread whose core a serving thread takes for a while (1P1D's proxy and
-      // workers' event loops) no longer holds up the other for that long.
-      kvservice::parallel_for_balanced(num_groups, [&](int64_t group, int64_t next, int64_t) {
-        if (direct) {
-          compute_group(group, next, nullptr, nullptr);
-          return;
-        }
-        float* buffers = thread_buffers();
-        compute_group(group, -1, buffers, buffers + kChunk * kPanel);
-      });
+    // The direct path needs no scratch; the buffered path takes this thread's.
+    const auto run_group = [&](int64_t group, int64_t next) {
+      float* buffers = direct ? nullptr : thread_buffers();
+      compute_group(group, next, buffers, direct ? nullptr : buffers + kChunk * kPanel);
+    };
+    const int64_t num_groups = (num_panels + wide_max - 1) / wide_max;
+    if (num_groups <= 16 / wide_max) {  // too little to share: this thread alone
+      for (int64_t group = 0; group < num_groups; ++group) run_group(group, group + 1 < num_groups ? group + 1 : -1);
       continue;
     }
-    kvservice::parallel_for(num_groups, grain, [&](int64_t begin, int64_t end) {
-      alignas(64) float buf[kChunk * kPanel];
-      alignas(64) float tile[kRowBlock * kWide * kPanel];  // the buffered path's sums (32 KiB)
-      for (int64_t group = begin; group < end; ++group) compute_group(group, group + 1 < end ? group + 1 : -1, buf, tile);
-    });
+    // Groups balanced between the threads (each its range front to back, then the others'
+    // last). Decode: two halves of equal work finished a few us apart, one thread spinning.
+    // Prompts: a thread whose core a serving thread takes for a while (1P1D's proxy and
+    // workers' event loops) no longer holds up the other for that long.
+    kvservice::parallel_for_balanced(num_groups, [&](int64_t group, int64_t next, int64_t) { run_group(group, next); });
   }
 }
 

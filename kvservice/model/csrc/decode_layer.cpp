@@ -136,7 +136,7 @@ at::Tensor decode_layer_(at::Tensor residual, const at::Tensor& x, at::TensorLis
                          const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
                          const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& starts,
                          int64_t num_queries, double scale, const c10::optional<at::Tensor>& next_kv_layer) {
-  const int64_t num_tokens = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t num_tokens = x.size(0), q_size = num_heads * head_dim;
   TORCH_CHECK(block_table.size(0) * num_queries == num_tokens, "every token must be a decode query");
   // Attention: qkv, rotary on q and k, this step's K/V into the cache, attention over the cache.
   at::Tensor qkv = linear(x, qkv_w, qkv_bias);  // [T, (Hq + 2 Hkv) * D]
