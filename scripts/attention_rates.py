@@ -24,8 +24,7 @@ import time
 from collections.abc import Callable
 
 import torch
-
-from kvservice.model.cpu_kernels import load_cpu_kernels
+from matmul_rates import prepare_kernels  # this folder's: python puts a script's folder on sys.path
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16
 
@@ -66,10 +65,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[128, 320, 512], help="tokens of each request's context (default: 128 320 512)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     args = parser.parse_args()
-    if not load_cpu_kernels():
-        raise SystemExit("the C++ kernels did not build here: nothing to time")
-    torch.set_num_threads(args.threads)
-    gen = torch.Generator().manual_seed(0)
+    gen = prepare_kernels(args.threads)
     for context in args.context:
         cells = []
         for shuffled in (False, True):

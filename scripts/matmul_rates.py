@@ -50,15 +50,20 @@ def best_seconds(fn: Callable[[], object], repeats: int, rounds: int = 5) -> flo
     return best
 
 
+def prepare_kernels(threads: int) -> torch.Generator:
+    """Load the C++ kernels (or exit: nothing to time) and run on `threads` threads; a seeded generator."""
+    if not load_cpu_kernels():
+        raise SystemExit("the C++ kernels did not build here: nothing to time")
+    torch.set_num_threads(threads)
+    return torch.Generator().manual_seed(0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 256, 2040], help="row counts M (default: 1 4 8 16 256 2040)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     args = parser.parse_args()
-    if not load_cpu_kernels():
-        raise SystemExit("the C++ kernels did not build here: nothing to time")
-    torch.set_num_threads(args.threads)
-    gen = torch.Generator().manual_seed(0)
+    gen = prepare_kernels(args.threads)
     layers = [{name: random_weight(n, k, gen) for name, (n, k) in SHAPES.items()} for _ in range(LAYERS)]
     layer_flops = sum(2 * n * k for n, k in SHAPES.values())
     for rows in args.rows:
