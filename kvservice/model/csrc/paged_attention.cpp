@@ -34,14 +34,15 @@
 namespace {
 
 // The cache lines of one request's K (or V) blocks, prefetched into L2 a few at a time as the
-// kernel works (the AVX-512 kernel: a fixed distance ahead, see LineStream). From DRAM the kernel alone overlapped little of its memory
-// traffic with its arithmetic (SmolLM2, 16 requests of 320 tokens, 30 layers, 2 Zen 4 cores:
-// 14 ms, against ~6 ms for a plain read of those rows and ~5.5 ms for the kernel on rows
-// already in the caches). Prefetching the next request's rows spread over this one's loops
-// (a few lines per query head of a key tile, per value row): 14.1 -> 9.1 ms then. Into
-// L1 instead (T0) it gained nothing, and issued in bursts of ~200 lines neither: the lines
-// must arrive at about the rate the work consumes them. The AVX2 kernel (a task per query head)
-// prefetches the next request a share per task: 15.1-15.5 -> 11.8-12.2 ms there.
+// kernel works (the AVX-512 kernel: a fixed distance ahead, see LineStream). From DRAM the
+// kernel alone overlapped little of its memory traffic with its arithmetic (SmolLM2, 16
+// requests of 320 tokens, 30 layers, 2 Zen 4 cores: 14 ms, against ~6 ms for a plain read of
+// those rows and ~5.5 ms for the kernel on rows already in the caches). Prefetching the next
+// request's rows spread over this one's loops (a few lines per query head of a key tile, per
+// value row): 14.1 -> 9.1 ms then. Into L1 instead (T0) it gained nothing, and issued in
+// bursts of ~200 lines neither: the lines must arrive at about the rate the work consumes
+// them. The AVX2 kernel (a task per query head) prefetches the next request a share per task:
+// 15.1-15.5 -> 11.8-12.2 ms there.
 class BlockLines {
  public:
   static constexpr int64_t kLine = 64;
@@ -302,7 +303,7 @@ inline __m512 sum16x16(const __m512* a) {
 // core's 1 MB L2) and each head's values walked on their own (a third of each row's lines at a
 // time). SmolLM2, 2 Zen 5 threads: 16 requests of 320 tokens, 30 layers, blocks in order, from
 // DRAM 7.0 -> 5.6 ms (31 -> 41 GB/s; 74 is what a plain sum reads); in-process decode steps of
-// 16 requests 19.2-19.3 -> 17.3-17.6 ms. Every output the same to the bit.
+// 16 requests 19.2-19.3 -> 17.3-17.8 ms. Every output the same to the bit.
 template <int D16>
 void decode_group_avx512(const float* q, const float* kv, const int64_t* table, int64_t start, int64_t num_queries,
                          int64_t group, int64_t h_begin, int64_t h_end, int64_t g_begin, int64_t g_end,
