@@ -274,6 +274,105 @@ void decode_one_avx2(const float* q, const float* kv, const int64_t* table, int6
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// One request, every head and query, for batches that give each thread requests of their own:
+// decode_one_avx2's arithmetic (each row's sums in the same order: the same results to the
+// bit), but laid out as decode_group_avx512 (below) reads the cache: the keys a tile of 8
+// tokens at a time for every head, the values a tile of 16 for every row (their sums kept in
+// `scores` between tiles), and `ahead` prefetched a fixed distance ahead of the reads. A task
+// per query head read each head's third of every row three times, and prefetched the next
+// request's rows a whole request ahead: more than a Zen 3 core's 512 KB L2 with this one's.
+template <int D8>
+void decode_request_avx2(const float* q, const float* kv, const int64_t* table, int64_t start, int64_t num_queries,
+                         int64_t group, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t v_offset,
+                         float scale, float* out, std::vector<float>& scores, std::vector<const float*>& tokens,
+                         LineStream& ahead) {
+  constexpr int64_t head_dim = 8 * D8;
+  const int64_t context = start + num_queries;
+  const int64_t padded = (context + 15) / 16 * 16;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t rows = num_queries * num_heads;  // row = i * num_heads + h * group + g, as out's
+  tokens.resize(padded);
+  for (int64_t p = 0; p < padded; ++p) {  // past the context: the last token again, masked
+    const int64_t at = std::min(p, context - 1);
+    tokens[p] = kv + (table[at / block_size] * block_size + at % block_size) * token_stride;
+  }
+  scores.resize(rows * padded + rows + rows * head_dim);
+  float* total = scores.data() + rows * padded;
+  float* sums = total + rows;  // the value rows' sums between tiles
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t tile_lines = 8 * token_stride * static_cast<int64_t>(sizeof(float)) / BlockLines::kLine;
+  const int64_t k_per_row = (tile_lines + rows - 1) / rows;
+  ahead.issue(LineStream::kAheadLines);
+  for (int64_t p0 = 0; p0 < context; p0 += 8) {
+    for (int64_t row = 0; row < rows; ++row) {
+      ahead.issue(k_per_row);
+      const int64_t i = row / num_heads, head = row % num_heads / group;
+      const int64_t visible = start + i + 1;  // query i sees keys at positions <= start + i
+      if (p0 >= visible) continue;
+      __m256 qv[D8];
+      for (int d = 0; d < D8; ++d) qv[d] = _mm256_mul_ps(_mm256_loadu_ps(q + row * head_dim + 8 * d), _mm256_set1_ps(scale));
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) {
+        const float* k = tokens[p0 + j] + head * head_dim;
+        __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
+        for (int d = 1; d < D8; ++d) a = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k + 8 * d), a);
+        acc[j] = a;
+      }
+      __m256 s = sum8x8(acc);
+      if (p0 + 8 > visible) {  // keys past this query's last: -inf
+        const __m256 position = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(p0)), lane);
+        s = _mm256_blendv_ps(s, minus_inf, _mm256_cmp_ps(position, _mm256_set1_ps(static_cast<float>(visible)), _CMP_GE_OQ));
+      }
+      _mm256_storeu_ps(scores.data() + row * padded + p0, s);
+    }
+  }
+  for (int64_t row = 0; row < rows; ++row) {  // softmax numerators in place, as decode_one_avx2
+    const int64_t visible = start + row / num_heads + 1;
+    float* r = scores.data() + row * padded;
+    __m256 max8 = minus_inf;
+    for (int64_t p0 = 0; p0 < visible; p0 += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(r + p0));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, max8);
+    const __m256 max_score = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+    __m256 total8 = _mm256_setzero_ps();
+    for (int64_t p0 = 0; p0 < visible; p0 += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(r + p0), max_score));
+      _mm256_storeu_ps(r + p0, e);
+      total8 = _mm256_add_ps(total8, e);
+    }
+    _mm256_storeu_ps(lanes, total8);
+    float sum = 0.f;
+    for (float value : lanes) sum += value;
+    total[row] = sum;
+  }
+  const int64_t v_per_token = (2 * tile_lines + 16 * rows - 1) / (16 * rows);
+  for (int64_t p0 = 0; p0 < context; p0 += 16) {
+    for (int64_t row = 0; row < rows; ++row) {
+      const int64_t visible = start + row / num_heads + 1;
+      const int64_t p1 = std::min(p0 + 16, visible);
+      const float* w_row = scores.data() + row * padded;
+      const int64_t v_head = v_offset + row % num_heads / group * head_dim;
+      __m256 acc[D8];
+      for (int d = 0; d < D8; ++d) acc[d] = p0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + row * head_dim + 8 * d);
+      for (int64_t p = p0; p < p1; ++p) {
+        ahead.issue(v_per_token);
+        const float* v = tokens[p] + v_head;
+        const __m256 w = _mm256_set1_ps(w_row[p]);
+        for (int d = 0; d < D8; ++d) acc[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * d), acc[d]);
+      }
+      if (p0 + 16 < visible) {
+        for (int d = 0; d < D8; ++d) _mm256_storeu_ps(sums + row * head_dim + 8 * d, acc[d]);
+      } else if (p0 < visible) {
+        const __m256 inv = _mm256_set1_ps(1.f / total[row]);
+        for (int d = 0; d < D8; ++d) _mm256_storeu_ps(out + row * head_dim + 8 * d, _mm256_mul_ps(acc[d], inv));
+      }
+    }
+  }
+}
+#endif
+
 #if defined(__AVX512F__)
 // Lane j of the result: the sum of a[j]'s 16 lanes (pairs, then quads within 128-bit lanes, then across them).
 inline __m512 sum16x16(const __m512* a) {
@@ -508,6 +607,30 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
 #elif defined(__AVX2__) && defined(__FMA__)
     // The casts are no-ops: this branch runs for float32 only (a plain `if`: the lambda is no template).
     if (std::is_same_v<scalar_t, float> && (head_dim == 64 || head_dim == 128)) {
+      const int64_t threads = at::get_num_threads();
+      if (batch >= 4 * threads) {
+        // Requests, balanced as the AVX-512 path's, each prefetching its rows, then the next one's.
+        auto* request_kernel = head_dim == 64 ? &decode_request_avx2<8> : &decode_request_avx2<16>;
+        kvservice::parallel_for_balanced(batch, [&](int64_t b, int64_t next, int64_t first) {
+          thread_local std::vector<float> scores;
+          thread_local std::vector<const float*> tokens;
+          LineStream ahead;
+          ahead.add(this_layer.lines(b, false));
+          ahead.add(this_layer.lines(b, true));
+          if (next >= 0 || has_next) {
+            const RequestBlocks& cache = next >= 0 ? this_layer : next_layer;
+            ahead.add(cache.lines(next >= 0 ? next : first, false));
+            ahead.add(cache.lines(next >= 0 ? next : first, true));
+          }
+          const int64_t offset = b * num_queries * num_heads * head_dim;
+          request_kernel(reinterpret_cast<const float*>(q_ptr + offset), reinterpret_cast<const float*>(kv_ptr),
+                         table + b * max_blocks, start_ptr[b], num_queries, group, num_heads, num_kv_heads, block_size,
+                         v_offset, static_cast<float>(scale), reinterpret_cast<float*>(out_ptr + offset), scores, tokens,
+                         ahead);
+        });
+        return;
+      }
+      // Small batches: a task per query head, so both threads have work.
       auto* kernel = head_dim == 64 ? &decode_one_avx2<8> : &decode_one_avx2<16>;
       kvservice::parallel_for(batch * num_heads, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores;
@@ -515,7 +638,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
         for (int64_t task = begin; task < end; ++task) {
           const int64_t b = task / num_heads, h = task % num_heads / group, g = task % group;
           const int64_t offset = b * num_queries * num_heads * head_dim;
-          // The next request this thread computes, its rows prefetched a share a task (as the AVX-512 path).
+          // The next request this thread computes, its rows prefetched a share a task.
           BlockLines next_k, next_v;
           if ((b + 1) * num_heads < end) {
             next_k = this_layer.lines(b + 1, false, task % num_heads, num_heads);
