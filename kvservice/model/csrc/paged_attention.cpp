@@ -41,8 +41,8 @@ namespace {
 // request's rows spread over this one's loops (a few lines per query head of a key tile, per
 // value row): 14.1 -> 9.1 ms then. Into L1 instead (T0) it gained nothing, and issued in
 // bursts of ~200 lines neither: the lines must arrive at about the rate the work consumes
-// them. The AVX2 kernel (a task per query head) prefetches the next request a share per task:
-// 15.1-15.5 -> 11.8-12.2 ms there.
+// them. The AVX2 kernel for small batches (a task per query head) prefetches the next request
+// a share per task: 15.1-15.5 -> 11.8-12.2 ms there then.
 class BlockLines {
  public:
   static constexpr int64_t kLine = 64;
