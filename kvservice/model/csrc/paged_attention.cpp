@@ -116,6 +116,23 @@ class LineStream {
   int count_ = 0, current_ = 0;
 };
 
+// What a task of the balanced request loop prefetches: request b's rows, then those of the
+// request its thread computes next (`next`), or after its range's last, the range's first
+// (`first`) in the next layer, where there is one (the same threads take the same ranges there).
+[[maybe_unused]] LineStream request_stream(const RequestBlocks& layer, const RequestBlocks* next_layer, int64_t b,
+                                           int64_t next, int64_t first) {
+  LineStream ahead;
+  ahead.add(layer.lines(b, false));
+  ahead.add(layer.lines(b, true));
+  if (next >= 0 || next_layer != nullptr) {
+    const RequestBlocks& cache = next >= 0 ? layer : *next_layer;
+    const int64_t then = next >= 0 ? next : first;
+    ahead.add(cache.lines(then, false));
+    ahead.add(cache.lines(then, true));
+  }
+  return ahead;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 using kvservice::exp_nonpositive;
 #endif
@@ -578,20 +595,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
       };
       if (whole) {
         // Requests, balanced: a thread whose requests run slower hands its last ones over (14
-        // requests in halves: the threads finished ~30 us apart a layer, SmolLM2). Each prefetches
-        // its request's rows and then those of the request it computes next, or after its range's
-        // last, the range's first in the next layer (the same threads take the same ranges there).
+        // requests in halves: the threads finished ~30 us apart a layer, SmolLM2), each task
+        // prefetching its rows and the next ones (request_stream).
         kvservice::parallel_for_balanced(batch, [&](int64_t b, int64_t next, int64_t first) {
           thread_local std::vector<float> scores;
           thread_local std::vector<const float*> tokens;
-          LineStream ahead;
-          ahead.add(this_layer.lines(b, false));
-          ahead.add(this_layer.lines(b, true));
-          if (next >= 0 || has_next) {
-            const RequestBlocks& cache = next >= 0 ? this_layer : next_layer;
-            ahead.add(cache.lines(next >= 0 ? next : first, false));
-            ahead.add(cache.lines(next >= 0 ? next : first, true));
-          }
+          LineStream ahead = request_stream(this_layer, has_next ? &next_layer : nullptr, b, next, first);
           run(b, ahead, scores, tokens);
         });
         return;
@@ -614,14 +623,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
         kvservice::parallel_for_balanced(batch, [&](int64_t b, int64_t next, int64_t first) {
           thread_local std::vector<float> scores;
           thread_local std::vector<const float*> tokens;
-          LineStream ahead;
-          ahead.add(this_layer.lines(b, false));
-          ahead.add(this_layer.lines(b, true));
-          if (next >= 0 || has_next) {
-            const RequestBlocks& cache = next >= 0 ? this_layer : next_layer;
-            ahead.add(cache.lines(next >= 0 ? next : first, false));
-            ahead.add(cache.lines(next >= 0 ? next : first, true));
-          }
+          LineStream ahead = request_stream(this_layer, has_next ? &next_layer : nullptr, b, next, first);
           const int64_t offset = b * num_queries * num_heads * head_dim;
           request_kernel(reinterpret_cast<const float*>(q_ptr + offset), reinterpret_cast<const float*>(kv_ptr),
                          table + b * max_blocks, start_ptr[b], num_queries, group, num_heads, num_kv_heads, block_size,
