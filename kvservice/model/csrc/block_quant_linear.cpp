@@ -512,8 +512,8 @@ void linear_panels(const float* x, int64_t m_size, int64_t k_size, const uint8_t
             }
           }
         }
-        // Sums already in y (float32 output, no tile) need a pass only to add a bias: copying them
-        // onto themselves cost the decode step ~2% of its matmuls' time.
+        // Sums already in y (float32 output, no tile) need a pass only to add a bias, not one
+        // copying them onto themselves (where a decode profile put samples; steps within noise).
         const bool in_place = static_cast<const void*>(sums) == static_cast<const void*>(y + m0 * n_size + p0 * kPanel);
         if (in_place && bias == nullptr) return;
         for (int64_t w = 0; w < wide; ++w) {

@@ -215,6 +215,44 @@ inline __m256 sum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
+// One query row's scores against keys[p0, p0 + 8) (each `offset` floats into its row): 8 dot
+// products reduced together, the keys past `visible` -inf.
+template <int D8>
+inline __m256 score_tile_avx2(const __m256* qv, const float* const* keys, int64_t offset, int64_t p0, int64_t visible) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) {
+    const float* k = keys[p0 + j] + offset;
+    __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
+    for (int d = 1; d < D8; ++d) a = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k + 8 * d), a);
+    acc[j] = a;
+  }
+  const __m256 s = sum8x8(acc);
+  if (p0 + 8 <= visible) return s;
+  const __m256 position = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(p0)), _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_blendv_ps(s, _mm256_set1_ps(-std::numeric_limits<float>::infinity()),
+                          _mm256_cmp_ps(position, _mm256_set1_ps(static_cast<float>(visible)), _CMP_GE_OQ));
+}
+
+// A row's scores over [0, visible), stored a tile of 8 at a time, become its softmax's
+// numerators in place; returns their sum (the 8 lanes' partial sums added in lane order).
+inline float softmax_numerators_avx2(float* row, int64_t visible) {
+  __m256 max8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t p0 = 0; p0 < visible; p0 += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(row + p0));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, max8);
+  const __m256 max_score = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+  __m256 total8 = _mm256_setzero_ps();
+  for (int64_t p0 = 0; p0 < visible; p0 += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + p0), max_score));
+    _mm256_storeu_ps(row + p0, e);
+    total8 = _mm256_add_ps(total8, e);
+  }
+  _mm256_storeu_ps(lanes, total8);
+  float total = 0.f;
+  for (float lane : lanes) total += lane;
+  return total;
+}
+
 // decode_one for float32 and head_dim = 8 * D8, in AVX2 registers. The scores of a row come 8
 // keys at a time (8 dot products reduced together), the softmax's exponentials 8 at a time, and
 // each output row stays in registers while it walks the values (~3x the row-at-a-time loop).
@@ -236,45 +274,18 @@ void decode_one_avx2(const float* q, const float* kv, const int64_t* table, int6
     keys[p] = kv + (table[at / block_size] * block_size + at % block_size) * token_stride + head * head_dim;
   }
   scores.resize(padded);
-  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < num_queries; ++i) {
     const int64_t visible = start + i + 1;  // query i sees keys at positions <= start + i
     for (int64_t g = g_begin; g < g_end; ++g) {
       const int64_t row = i * num_heads + head * group + g;
       __m256 qv[D8];
       for (int d = 0; d < D8; ++d) qv[d] = _mm256_mul_ps(_mm256_loadu_ps(q + row * head_dim + 8 * d), _mm256_set1_ps(scale));
-      __m256 max8 = minus_inf;
       const int64_t next_k_per_group = (next_k.size() * 8 + visible + 7) / (visible + 7);
       for (int64_t p0 = 0; p0 < visible; p0 += 8) {
         next_k.issue(next_k_per_group);
-        __m256 acc[8];
-        for (int j = 0; j < 8; ++j) {
-          const float* k = keys[p0 + j];
-          __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
-          for (int d = 1; d < D8; ++d) a = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k + 8 * d), a);
-          acc[j] = a;
-        }
-        __m256 s = sum8x8(acc);
-        if (p0 + 8 > visible) {  // keys past this query's last: -inf
-          const __m256 position = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(p0)),
-                                                _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
-          s = _mm256_blendv_ps(s, minus_inf, _mm256_cmp_ps(position, _mm256_set1_ps(static_cast<float>(visible)), _CMP_GE_OQ));
-        }
-        _mm256_storeu_ps(scores.data() + p0, s);
-        max8 = _mm256_max_ps(max8, s);
+        _mm256_storeu_ps(scores.data() + p0, score_tile_avx2<D8>(qv, keys.data(), 0, p0, visible));
       }
-      float lanes[8];
-      _mm256_storeu_ps(lanes, max8);
-      const __m256 max_score = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
-      __m256 total8 = _mm256_setzero_ps();
-      for (int64_t p0 = 0; p0 < visible; p0 += 8) {
-        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores.data() + p0), max_score));
-        _mm256_storeu_ps(scores.data() + p0, e);
-        total8 = _mm256_add_ps(total8, e);
-      }
-      _mm256_storeu_ps(lanes, total8);
-      float total = 0.f;
-      for (float lane : lanes) total += lane;
+      const float total = softmax_numerators_avx2(scores.data(), visible);
       __m256 acc[D8];
       for (int d = 0; d < D8; ++d) acc[d] = _mm256_setzero_ps();
       const int64_t next_v_per_row = (next_v.size() + visible - 1) / visible;
@@ -317,8 +328,6 @@ void decode_request_avx2(const float* q, const float* kv, const int64_t* table, 
   scores.resize(rows * padded + rows + rows * head_dim);
   float* total = scores.data() + rows * padded;
   float* sums = total + rows;  // the value rows' sums between tiles
-  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   const int64_t tile_lines = 8 * token_stride * static_cast<int64_t>(sizeof(float)) / BlockLines::kLine;
   const int64_t k_per_row = (tile_lines + rows - 1) / rows;
   ahead.issue(LineStream::kAheadLines);
@@ -330,39 +339,11 @@ void decode_request_avx2(const float* q, const float* kv, const int64_t* table, 
       if (p0 >= visible) continue;
       __m256 qv[D8];
       for (int d = 0; d < D8; ++d) qv[d] = _mm256_mul_ps(_mm256_loadu_ps(q + row * head_dim + 8 * d), _mm256_set1_ps(scale));
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) {
-        const float* k = tokens[p0 + j] + head * head_dim;
-        __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
-        for (int d = 1; d < D8; ++d) a = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k + 8 * d), a);
-        acc[j] = a;
-      }
-      __m256 s = sum8x8(acc);
-      if (p0 + 8 > visible) {  // keys past this query's last: -inf
-        const __m256 position = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(p0)), lane);
-        s = _mm256_blendv_ps(s, minus_inf, _mm256_cmp_ps(position, _mm256_set1_ps(static_cast<float>(visible)), _CMP_GE_OQ));
-      }
-      _mm256_storeu_ps(scores.data() + row * padded + p0, s);
+      _mm256_storeu_ps(scores.data() + row * padded + p0, score_tile_avx2<D8>(qv, tokens.data(), head * head_dim, p0, visible));
     }
   }
-  for (int64_t row = 0; row < rows; ++row) {  // softmax numerators in place, as decode_one_avx2
-    const int64_t visible = start + row / num_heads + 1;
-    float* r = scores.data() + row * padded;
-    __m256 max8 = minus_inf;
-    for (int64_t p0 = 0; p0 < visible; p0 += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(r + p0));
-    float lanes[8];
-    _mm256_storeu_ps(lanes, max8);
-    const __m256 max_score = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
-    __m256 total8 = _mm256_setzero_ps();
-    for (int64_t p0 = 0; p0 < visible; p0 += 8) {
-      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(r + p0), max_score));
-      _mm256_storeu_ps(r + p0, e);
-      total8 = _mm256_add_ps(total8, e);
-    }
-    _mm256_storeu_ps(lanes, total8);
-    float sum = 0.f;
-    for (float value : lanes) sum += value;
-    total[row] = sum;
+  for (int64_t row = 0; row < rows; ++row) {  // softmax numerators in place
+    total[row] = softmax_numerators_avx2(scores.data() + row * padded, start + row / num_heads + 1);
   }
   const int64_t v_per_token = (2 * tile_lines + 16 * rows - 1) / (16 * rows);
   for (int64_t p0 = 0; p0 < context; p0 += 16) {
