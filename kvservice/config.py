@@ -188,6 +188,7 @@ SERVING_STEP_TARGET_MS = 80.0
 # tok/s, p99 ITL 89.9, 84.2, 86.3, 85.2 ms (vLLM's: 86-112); 70 ms -> 370.8, 377.8, 370.5, 354.7
 # tok/s, p99 ITL 73.5, 76.1, 75.2, 76.5 ms.
 LAUNCH_STEP_TARGET_MS = 70.0
+DEFAULT_KV_CACHE_MIB = 1024  # a worker's KV cache when neither --num-blocks nor --kv-cache-mib is given
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +199,7 @@ class EngineConfig:
     num_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
     # SmolLM2: 23k tokens, 16 requests of 384 tokens with room to spare (256 MiB held 5.8k: at
     # concurrency 16 the scheduler preempted and recomputed requests, 192 against 207-215 output tok/s).
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MIB << 20
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     # Prompt tokens a step computes while requests decode (None: max_num_batched_tokens).

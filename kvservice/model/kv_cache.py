@@ -8,6 +8,7 @@ import torch
 
 from kvservice.config import ModelConfig
 from kvservice.core.kv_cache_manager import cdiv
+from kvservice.runtime.huge_pages import zeros_on_huge_pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,4 +52,6 @@ class KVCacheLayout:
 
 
 def allocate_kv_caches(layout: KVCacheLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-    return [torch.zeros(layout.blocks_shape(num_blocks), dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
+    """One zeroed cache tensor per layer, on huge pages where the OS gives them (decode attention
+    reads a step's blocks scattered over the whole cache: see kvservice.runtime.huge_pages)."""
+    return [zeros_on_huge_pages(layout.blocks_shape(num_blocks), layout.dtype, device) for _ in range(layout.num_layers)]

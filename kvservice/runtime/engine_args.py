@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from kvservice.config import (
+    DEFAULT_KV_CACHE_MIB,
     DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE,
     DEFAULT_STEP_TARGET_MS,
     KV_LOAD_FAILURE_POLICIES,
@@ -30,8 +31,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, step_target_ms: float 
         group.add_argument("--block-size", type=int, default=16, help="tokens per KV block, a power of two (default: 16)"),
         group.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the cache (default: as many as --kv-cache-mib holds)"),
         group.add_argument(
-            "--kv-cache-mib", type=int, default=1024,
-            help="KV cache size in MiB when --num-blocks is not given (default: 1024)",
+            "--kv-cache-mib", type=int, default=DEFAULT_KV_CACHE_MIB,
+            help=f"KV cache size in MiB when --num-blocks is not given (default: {DEFAULT_KV_CACHE_MIB})",
         ),
         group.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step (default: 64)"),
         group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default: 2048)"),
