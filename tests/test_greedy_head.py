@@ -44,6 +44,18 @@ def test_tokens_are_the_full_logits_argmax(vnni: None, num_rows: int, is_signed:
     assert head.tokens(x) == _full_argmax(weight, x)
 
 
+def test_signed_codes_with_mins_keep_them_in_the_estimates(vnni: None) -> None:
+    base = random_block_quant_weight(2048, 576, True, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    mins = (torch.rand(base.mins.shape, generator=gen) * 0.3 - 0.15).half()
+    weight = BlockQuantWeight(base.codes, base.scales, mins)
+    head = GreedyHead.build(weight)
+    assert head.with_mins and not GreedyHead.build(base).with_mins
+    x = torch.randn(9, 576, generator=gen)
+    x[1, 40] = 50.0
+    assert head.tokens(x) == _full_argmax(weight, x)
+
+
 def test_equal_logits_go_to_the_first_index(vnni: None) -> None:
     x = torch.randn(6, 288, generator=torch.Generator().manual_seed(1))
     codes = torch.randint(-20, 20, (512, 288), generator=torch.Generator().manual_seed(2), dtype=torch.int8)
@@ -83,9 +95,9 @@ def test_the_op_rejects_arguments_it_cannot_read(vnni: None) -> None:
     head = GreedyHead.build(weight)
     x = torch.randn(4, 288)
     with pytest.raises(RuntimeError, match="code_offset"):
-        torch.ops.kvservice.greedy_head(x, head.vnni_codes, 0, weight.codes, weight.scales, weight.mins, head.abs_sums)
+        torch.ops.kvservice.greedy_head(x, head.vnni_codes, 0, weight.codes, weight.scales, weight.mins, head.abs_sums, True)
     with pytest.raises(RuntimeError, match="vnni_codes"):
-        torch.ops.kvservice.greedy_head(torch.randn(4, 320), head.vnni_codes, 128, weight.codes, weight.scales, weight.mins, head.abs_sums)
+        torch.ops.kvservice.greedy_head(torch.randn(4, 320), head.vnni_codes, 128, weight.codes, weight.scales, weight.mins, head.abs_sums, True)
 
 
 @pytest.mark.slow

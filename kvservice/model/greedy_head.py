@@ -30,6 +30,7 @@ class GreedyHead:
     vnni_codes: torch.Tensor  # uint8 [P, K / 4, 16, 4]: code + code_offset
     code_offset: int  # 128 for signed 8-bit codes, 0 for 4-bit ones
     abs_sums: torch.Tensor  # float32 [P, K / 32, 16]: sum of |scale * code| + |min| per block, rounded up
+    with_mins: bool  # False where every min is zero (Q8_0): the estimates skip them
 
     @classmethod
     def build(cls, weight: BlockQuantWeight) -> GreedyHead:
@@ -48,12 +49,12 @@ class GreedyHead:
             sums = per_weight.view(p1 - p0, num_cols // BLOCK, BLOCK, panel).sum(2)
             rounded = sums.float()
             abs_sums[p0:p1] = torch.where(rounded.double() < sums, torch.nextafter(rounded, torch.tensor(float("inf"))), rounded)
-        return cls(weight, vnni, offset, abs_sums)
+        return cls(weight, vnni, offset, abs_sums, bool(weight.mins.any()))
 
     def tokens(self, x: torch.Tensor) -> list[int] | None:
         """Each row's argmax of x W^T (x: float32 [M, K], M >= MIN_ROWS); None if a row has a
         value that is not finite (the caller then computes the logits in full)."""
         w = self.weight
-        tokens = torch.ops.kvservice.greedy_head(x.contiguous(), self.vnni_codes, self.code_offset, w.codes, w.scales, w.mins, self.abs_sums)
+        tokens = torch.ops.kvservice.greedy_head(x.contiguous(), self.vnni_codes, self.code_offset, w.codes, w.scales, w.mins, self.abs_sums, self.with_mins)
         result: list[int] = tokens.tolist()
         return None if min(result, default=0) < 0 else result
