@@ -34,6 +34,7 @@ from kvservice.loading.model_loader import ModelLoadError, resolve_dtype
 from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.runtime import engine_args
 from kvservice.runtime.event_loop import run_event_loop
+from kvservice.runtime.thread_priority import lower_serving_threads
 from kvservice.runtime.tls import TLSFiles, add_tls_arguments, add_worker_peer_names_argument, check_worker_peer_names
 from kvservice.server.auth import BearerTokenInterceptor, PeerNameInterceptor
 from kvservice.server.colocated_service import ColocatedGenerationService
@@ -157,6 +158,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
     if isinstance(connector, DecodeKVConnector):
         connector.on_load_done = async_engine.wake
     async_engine.start()
+    # The step thread (and the pool it starts) computes; this thread and what it starts serve.
+    lower_serving_threads([tid for tid in (async_engine.step_thread_id,) if tid is not None])
 
     metrics = ServerMetrics(args.role)
     prefill_service: PrefillWorkerService | None = None

@@ -128,6 +128,11 @@ class AsyncLLMEngine:
         return await asyncio.shield(self._failed)
 
     @property
+    def step_thread_id(self) -> int | None:
+        """The OS's id of the step thread, once started."""
+        return None if self._thread is None else self._thread.native_id
+
+    @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 

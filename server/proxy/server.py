@@ -15,6 +15,7 @@ from kvservice.loading.model_files import load_model_config, load_tokenizer, mod
 from kvservice.loading.tokenizer import Tokenizer
 from kvservice.runtime.event_loop import run_event_loop
 from kvservice.runtime.routing_args import add_routing_arguments
+from kvservice.runtime.thread_priority import lower_serving_threads
 from kvservice.runtime.tls import TLSFiles, add_tls_arguments
 from kvservice.server.auth import BearerTokenInterceptor
 from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, add_log_level_argument, configure_logging
@@ -93,6 +94,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvservice proxy: error: {e}", file=sys.stderr)
         return 2
+    lower_serving_threads()  # every thread the proxy starts serves: a worker's compute threads go first
     return run_event_loop(serve(args))
 
 
