@@ -45,6 +45,7 @@ namespace {
 constexpr int64_t kPanel = 16;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowGroup = 8;  // rows whose integer sums share each loaded weight vector
+constexpr int64_t kTaskPanels = 32;  // panels a task of the estimates takes (SmolLM2's head: 96 tasks)
 
 // x in 8-bit blocks: x[i] ~ scale * q[i] within `error` (per block), with what each block adds
 // to a logit's bound and to its estimate besides the integer dot product.
@@ -256,13 +257,16 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& vnni_codes, int64_
   const at::Half* min_ptr = mins.data_ptr<at::Half>();
   const float* abs_ptr = abs_sums.data_ptr<float>();
   const int64_t panel_code_bytes = packed ? k_size / 2 * kPanel : k_size * kPanel;
-  // 1. Each panel's largest upper bound, and each row's largest lower bound (per thread, then merged).
+  // 1. Each panel's largest upper bound, and each row's largest lower bound (per task, then
+  // merged). Tasks of kTaskPanels balanced between the threads: a thread whose core a serving
+  // thread takes for a while hands its last tasks over instead of holding the other up.
   std::vector<float> upper(m_size * num_panels);
   std::vector<float> lower_max(m_size, -std::numeric_limits<float>::infinity());
   std::mutex merge;
-  kvservice::parallel_for(num_panels, 16, [&](int64_t begin, int64_t end) {
+  const int64_t num_tasks = (num_panels + kTaskPanels - 1) / kTaskPanels;
+  kvservice::parallel_for_balanced(num_tasks, [&](int64_t task, int64_t, int64_t) {
     std::vector<float> lower(m_size, -std::numeric_limits<float>::infinity());
-    for (int64_t p = begin; p < end; ++p) {
+    for (int64_t p = task * kTaskPanels; p < std::min(num_panels, (task + 1) * kTaskPanels); ++p) {
       for (int64_t r0 = 0; r0 < m_size; r0 += kRowGroup) {
         estimate_rows(std::min(kRowGroup, m_size - r0), with_mins, rows, r0, k_size, vnni + p * (k_size / 4) * 64,
                       scale_ptr + p * blocks * kPanel, min_ptr + p * blocks * kPanel, abs_ptr + p * blocks * kPanel,
