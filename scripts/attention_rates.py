@@ -29,8 +29,8 @@ import torch
 from matmul_rates import prepare_kernels  # this folder's: python puts a script's folder on sys.path
 
 from kvservice.config import DEFAULT_KV_CACHE_MIB
+from kvservice.model.huge_pages import zeros_on_huge_pages
 from kvservice.model.kv_cache import KVCacheLayout
-from kvservice.runtime.huge_pages import zeros_on_huge_pages
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16
 

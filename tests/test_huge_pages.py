@@ -7,7 +7,7 @@ import pathlib
 import pytest
 import torch
 
-from kvservice.runtime.huge_pages import HUGE_PAGE_BYTES, advise_huge_pages, zeros_on_huge_pages
+from kvservice.model.huge_pages import HUGE_PAGE_BYTES, advise_huge_pages, zeros_on_huge_pages
 
 THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

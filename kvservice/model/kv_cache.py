@@ -8,7 +8,7 @@ import torch
 
 from kvservice.config import ModelConfig
 from kvservice.core.kv_cache_manager import cdiv
-from kvservice.runtime.huge_pages import zeros_on_huge_pages
+from kvservice.model.huge_pages import zeros_on_huge_pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,5 +53,5 @@ class KVCacheLayout:
 
 def allocate_kv_caches(layout: KVCacheLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
     """One zeroed cache tensor per layer, on huge pages where the OS gives them (decode attention
-    reads a step's blocks scattered over the whole cache: see kvservice.runtime.huge_pages)."""
+    reads a step's blocks scattered over the whole cache: see kvservice.model.huge_pages)."""
     return [zeros_on_huge_pages(layout.blocks_shape(num_blocks), layout.dtype, device) for _ in range(layout.num_layers)]
