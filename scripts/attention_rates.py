@@ -7,11 +7,10 @@ streaming from DRAM as in a served decode step, against a plain read of as many 
 A decode step reads every request's K and V rows once a layer: SmolLM2 (9 query heads, 3 KV
 heads of 64) keeps 1,536 bytes a token a layer in float32, so 16 requests of 320 tokens read
 ~236 MB a step over its 30 layers, more than any cache holds. For each context length: the 30
-layers' attention with each request's blocks in order in the cache; with the blocks drawn at
-random from a cache of a server's size (`--kv-cache-mib`'s default: a served cache after many
-requests came and went), on huge pages as servers allocate it and on 4 KiB pages; then a plain
-sum over a tensor of the same bytes, what the cores can read at all. `ATEN_CPU_CAPABILITY=avx2`
-times the AVX2 build.
+layers' attention with each request's blocks in order in the cache, and with the blocks drawn
+at random from a cache of a server's size (`--kv-cache-mib`'s default: a served cache after many
+requests came and went); then a plain sum over a tensor of the same bytes, what the cores can
+read at all. `ATEN_CPU_CAPABILITY=avx2` times the AVX2 build.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import torch
 from matmul_rates import prepare_kernels  # this folder's: python puts a script's folder on sys.path
 
 from kvservice.config import DEFAULT_KV_CACHE_MIB
-from kvservice.model.huge_pages import zeros_on_huge_pages
 from kvservice.model.kv_cache import KVCacheLayout
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16
@@ -49,8 +47,8 @@ def median_seconds(fn: Callable[[], object], rounds: int = 15) -> float:
 
 def attention_step(requests: int, context: int, layout: str, gen: torch.Generator) -> tuple[Callable[[], None], int]:
     """One decode step's attention over LAYERS layers, and the bytes of cache it reads. `layout`:
-    "in order" (each request's blocks side by side), "scattered" (drawn at random from a served
-    cache's blocks, on huge pages as servers allocate it) or "scattered, 4 KiB pages"."""
+    "in order" (each request's blocks side by side) or "scattered" (drawn at random from a served
+    cache's blocks)."""
     blocks_per_request = (context + BLOCK_SIZE - 1) // BLOCK_SIZE
     num_blocks = requests * blocks_per_request
     if layout == "in order":
@@ -61,9 +59,7 @@ def attention_step(requests: int, context: int, layout: str, gen: torch.Generato
         order = torch.randperm(num_blocks, generator=gen)[: requests * blocks_per_request]
     table = order.view(requests, blocks_per_request).contiguous()
     starts = torch.full((requests,), context - 1, dtype=torch.long)
-    shape = (2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    huge = layout != "scattered, 4 KiB pages"
-    caches = [(zeros_on_huge_pages(shape, torch.float32, torch.device("cpu")) if huge else torch.zeros(shape)).normal_(generator=gen) for _ in range(LAYERS)]
+    caches = [torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(LAYERS)]
     q = torch.randn(requests, HEADS, HEAD_DIM, generator=gen)
     scale = HEAD_DIM**-0.5
 
@@ -83,7 +79,7 @@ def main() -> None:
     gen = prepare_kernels(args.threads)
     for context in args.context:
         cells = []
-        for layout in ("in order", "scattered", "scattered, 4 KiB pages"):
+        for layout in ("in order", "scattered"):
             step, num_bytes = attention_step(args.requests, context, layout, gen)
             seconds = median_seconds(step)
             cells.append(f"{layout} {1e3 * seconds:6.2f} ms {num_bytes / seconds / 1e9:5.1f} GB/s")
