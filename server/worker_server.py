@@ -159,7 +159,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         connector.on_load_done = async_engine.wake
     async_engine.start()
     # The step thread (and the pool it starts) computes; this thread and what it starts serve.
-    lower_serving_threads([tid for tid in (async_engine.step_thread_id,) if tid is not None])
+    lower_serving_threads([async_engine.step_thread_id])
 
     metrics = ServerMetrics(args.role)
     prefill_service: PrefillWorkerService | None = None

@@ -128,9 +128,10 @@ class AsyncLLMEngine:
         return await asyncio.shield(self._failed)
 
     @property
-    def step_thread_id(self) -> int | None:
-        """The OS's id of the step thread, once started."""
-        return None if self._thread is None else self._thread.native_id
+    def step_thread_id(self) -> int:
+        """The OS's id of the step thread (start() first)."""
+        assert self._thread is not None and self._thread.native_id is not None, "start() first"
+        return self._thread.native_id
 
     @property
     def is_alive(self) -> bool:

@@ -146,12 +146,13 @@ __attribute__((target("avx512f,avx512vnni"))) void estimate_panel(
       }
     }
     const __m512 d = load_half16(scales + b * kPanel);
+    const __m512 m = kMins ? load_half16(mins + b * kPanel) : _mm512_setzero_ps();
     const __m512 t = _mm512_loadu_ps(abs_sums + b * kPanel);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t at = r * blocks + b;
       estimate[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(scale[at])), estimate[r]);
-      if constexpr (kMins) estimate[r] = _mm512_fmadd_ps(load_half16(mins + b * kPanel), _mm512_set1_ps(scaled_sum[at]), estimate[r]);
+      if constexpr (kMins) estimate[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(scaled_sum[at]), estimate[r]);
       bound[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(slack[at]), bound[r]);
     }
   }
