@@ -22,7 +22,7 @@ def vnni() -> None:
     if not load_cpu_kernels():
         pytest.skip("the C++ kernels did not build here (the PyTorch path serves)")
     if not torch.ops.kvservice.greedy_head_supported():
-        pytest.skip("no AVX-512 VNNI on this CPU: models compute full logits (test_smollm2_* checks that path)")
+        pytest.skip("neither the AVX2 nor the AVX-512 build: models compute full logits (test_smollm2_* checks that path)")
 
 
 def _full_argmax(weight: BlockQuantWeight, x: torch.Tensor) -> list[int]:
@@ -102,7 +102,7 @@ def test_the_op_rejects_arguments_it_cannot_read(vnni: None) -> None:
 
 @pytest.mark.slow
 def test_smollm2_greedy_batches_take_the_head_and_keep_their_tokens(smollm2_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batch of greedy requests samples through `greedy_tokens` (where the CPU has VNNI) and
+    """A batch of greedy requests samples through `greedy_tokens` (the AVX2 and AVX-512 builds) and
     generates the tokens the full logits give; one that wants logprobs computes the logits."""
     model = smollm2_llm.engine.loaded.model
     supported = load_cpu_kernels() and torch.ops.kvservice.greedy_head_supported()

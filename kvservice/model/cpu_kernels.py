@@ -8,7 +8,7 @@
 - `silu_mul`: SwiGLU's activation, silu(gate) * up, in one pass over the gate/up projection.
 - `decode_layer_`: a whole decoder layer of a decode step, those kernels in one call.
 - `greedy_head`: the LM head's argmax per row, exactly, mostly in 8-bit integer dot products
-  (AVX-512 VNNI; `greedy_head_supported()`).
+  (AVX-512 VNNI, or AVX2's vpmaddubsw; `greedy_head_supported()`).
 
 `load_cpu_kernels()` compiles the extension once per machine (torch's extension cache,
 ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) and loads it. It returns False when

@@ -3,12 +3,12 @@
 A decode step of 16 greedy requests on SmolLM2 spent ~5 ms of ~40 in the LM head: 16 rows
 times 49,152 outputs of 576 float32 multiply-adds, at the matmul kernel's peak, for one
 largest logit a row. The C++ op estimates every logit with 8-bit integer dot products (AVX-512
-VNNI), bounds each estimate's error, and computes in float32 only the panels of 16 logits that
+VNNI; AVX2's vpmaddubsw with x's integers within 63), bounds each estimate's error, and computes in float32 only the panels of 16 logits that
 may hold the largest, as `block_quant_linear` computes them: the token is the full logits'
 argmax, bit for bit, for batches of `MIN_ROWS` or more (fewer rows take other sums there, and
 read the weights at memory speed either way).
 
-`GreedyHead.build` lays the LM head's block-quantized codes out for VNNI (4 k's of one output
+`GreedyHead.build` lays the LM head's block-quantized codes out for VNNI and vpmaddubsw (4 k's of one output
 in 4 adjacent bytes, offset to unsigned) and sums each block's |weights| for the bounds.
 """
 

@@ -200,7 +200,7 @@ class CausalLM(nn.Module):
         A layer the block-quantized kernel serves (every row count) gets no copy: it would
         never be read (SmolLM2: 108 MiB and 49 ms of start-up for the packed LM head).
         A float32 model whose LM head is block-quantized gets its greedy head where the CPU
-        has AVX-512 VNNI (`greedy_tokens`; SmolLM2: ~31 MiB, ~0.2 s).
+        has AVX2 or AVX-512 (`greedy_tokens`; SmolLM2: ~31 MiB, ~0.2 s).
         """
         dtype = self.model.embed_tokens.weight.dtype
         head = self.lm_head.block_quant
