@@ -1,9 +1,9 @@
 """`LocalCluster`: N prefill + M decode workers and a proxy (or one colocated worker) as local child processes.
 
 `kvservice launch`, the demo, the benchmarks and the tests all start servers through it: every child
-listens on a port the OS picks and prints it on its ready line; decode workers start once the
-prefill workers are ready, with their addresses as `--kv-peers` (the only prefill workers they
-may dial); prefill and decode workers that may run on the same cores take turns on them
+listens on a port the OS picks and prints it on its ready line; prefill and decode workers start
+together, and the decode workers read the prefill workers' addresses from stdin once those are
+ready (`--kv-peers -`: the only prefill workers they may dial), so their start-ups overlap; prefill and decode workers that may run on the same cores take turns on them
 through a `--core-lease` file (`kvservice.worker.core_lease`); the cluster is ready when the
 proxy's health check says SERVING; stopping sends SIGTERM (graceful drain), then SIGKILL to
 anything still alive after the grace period. No process outlives it:
@@ -49,6 +49,7 @@ class LaunchError(RuntimeError):
 class ChildProcess:
     name: str
     process: asyncio.subprocess.Process
+    cmd: list[str]
     address: str = ""
     http_address: str = ""  # the OpenAI-compatible front (a proxy with --http-port)
     metrics_address: str = ""  # /metrics (with --metrics-port)
@@ -104,14 +105,25 @@ class LocalCluster:
         worker = [sys.executable, "-m", "kvservice", "serve", "--model", self.model, *self.worker_args, *grace]
         if self.colocated:
             child = await self._spawn("both", [*worker, "--role", "both", "--port", str(self.port)], self.colocated_cores)
-            self.address = child.address
+            self.address = (await self._ready(child)).address
         else:
             worker += self._core_lease_args()
-            await asyncio.gather(*(
-                self._spawn(f"prefill-{i}", [*worker, "--role", "prefill"], self.prefill_cores) for i in range(self.num_prefill)
-            ))
-            decode = [*worker, "--role", "decode", *self._kv_peers_args()]
-            await asyncio.gather(*(self._spawn(f"decode-{i}", decode, self.decode_cores) for i in range(self.num_decode)))
+            prefills = [
+                await self._spawn(f"prefill-{i}", [*worker, "--role", "prefill"], self.prefill_cores) for i in range(self.num_prefill)
+            ]
+            kv_peers = self._kv_peers_args()
+            decode = [*worker, "--role", "decode", *kv_peers]
+            decodes = [
+                await self._spawn(f"decode-{i}", decode, self.decode_cores, stdin=bool(kv_peers)) for i in range(self.num_decode)
+            ]
+            await asyncio.gather(*(self._ready(child) for child in prefills))
+            if kv_peers:
+                line = " ".join(self.prefill_addresses) + "\n"
+                for child in decodes:
+                    assert child.process.stdin is not None
+                    child.process.stdin.write(line.encode())
+                    child.process.stdin.close()
+            await asyncio.gather(*(self._ready(child) for child in decodes))
             # Every worker opened the lease file before it reported ready, and the locks live on
             # those open files: the name can go now, so that even a SIGKILLed launcher leaves
             # nothing in /dev/shm.
@@ -120,7 +132,7 @@ class LocalCluster:
             if self.prefill_addresses:
                 proxy_cmd += ["--prefill", *self.prefill_addresses]
             proxy_cmd += ["--decode", *self.decode_addresses]
-            self.address = (await self._spawn("proxy", proxy_cmd, None)).address
+            self.address = (await self._ready(await self._spawn("proxy", proxy_cmd, None))).address
         async with KVServiceClient(self.address, self.client_credentials) as client:
             await client.wait_until_serving(self.startup_timeout)
 
@@ -136,13 +148,14 @@ class LocalCluster:
         return ["--core-lease", self.core_lease_path]
 
     def _kv_peers_args(self) -> list[str]:
-        """Decode workers may pull KV only from this cluster's prefill workers (their addresses
-        are known once they are ready), unless the caller's worker flags name other peers."""
-        if not self.prefill_addresses or "--kv-peers" in self.worker_args:
+        """Decode workers may pull KV only from this cluster's prefill workers, whose addresses
+        they read from stdin once those are ready, unless the caller's worker flags name other peers."""
+        if not self.num_prefill or "--kv-peers" in self.worker_args:
             return []
-        return ["--kv-peers", *self.prefill_addresses]
+        return ["--kv-peers", "-"]
 
-    async def _spawn(self, name: str, cmd: list[str], cores: Sequence[int] | None) -> ChildProcess:
+    async def _spawn(self, name: str, cmd: list[str], cores: Sequence[int] | None, stdin: bool = False) -> ChildProcess:
+        """Start a child (`stdin`: with a pipe to its stdin); `_ready` waits for its ready line."""
         env = {**os.environ, **WORKER_ENV}
         core_set = set(cores) if cores is not None else None
         parent = os.getpid()
@@ -153,10 +166,16 @@ class LocalCluster:
                 os.sched_setaffinity(0, core_set)
 
         process = await asyncio.create_subprocess_exec(
-            *cmd, stdout=asyncio.subprocess.PIPE, env=env, preexec_fn=preexec, start_new_session=True
+            *cmd, stdin=asyncio.subprocess.PIPE if stdin else None, stdout=asyncio.subprocess.PIPE, env=env,
+            preexec_fn=preexec, start_new_session=True,
         )
-        child = ChildProcess(name, process)
+        child = ChildProcess(name, process, cmd)
         self.children.append(child)
+        return child
+
+    async def _ready(self, child: ChildProcess) -> ChildProcess:
+        """Wait for the child's ready line and take its addresses from it."""
+        name, process, cmd = child.name, child.process, child.cmd
         assert process.stdout is not None
         try:
             line = await asyncio.wait_for(process.stdout.readline(), self.startup_timeout)
@@ -177,6 +196,8 @@ class LocalCluster:
     async def stop(self) -> None:
         """SIGTERM everything (the proxy first, so no new work reaches the workers), then wait."""
         for child in reversed(self.children):
+            if child.process.stdin is not None and not child.process.stdin.is_closing():
+                child.process.stdin.close()  # a decode worker still waiting for its --kv-peers line
             if child.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     child.process.send_signal(signal.SIGTERM)

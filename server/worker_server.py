@@ -93,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-peers", nargs="+", default=None, metavar="HOST:PORT",
         help="decode side: the only prefill workers KV may be pulled from (default: any a request names; "
-        "with --auth-token only authenticated requests name one)",
+        "with --auth-token only authenticated requests name one); '-': read them from the first line of stdin "
+        "once the model has loaded (how `kvservice launch` starts decode workers while its prefill workers still load)",
     )
     add_engine_arguments(parser)
     add_tls_arguments(parser)
@@ -132,9 +133,25 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         return run_event_loop(serve(args, config, layout, tls))
-    except ModelLoadError as e:
+    except (ModelLoadError, StartupError) as e:
         print(f"kvservice serve: error: {e}", file=sys.stderr)
         return 2
+
+
+class StartupError(RuntimeError):
+    """What stops a worker before it serves, reported as one line (exit code 2)."""
+
+
+async def read_kv_peers(given: list[str] | None) -> frozenset[str] | None:
+    """--kv-peers as given, or, for `-`, the addresses on stdin's first line (they may come long
+    after start: the launcher writes them once its prefill workers are ready)."""
+    if given != ["-"]:
+        return frozenset(given) if given is not None else None
+    line = await asyncio.to_thread(sys.stdin.readline)
+    peers = frozenset(line.split())
+    if not peers:
+        raise StartupError("--kv-peers -: stdin ended before a line of prefill addresses")
+    return peers
 
 
 async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheLayout, tls: TLSFiles) -> int:
@@ -152,7 +169,10 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
     if args.core_lease is not None and config.device == "cpu":  # what a GPU worker shares is not its cores
         role = LeaseRole.YIELDING if args.role == "prefill" else LeaseRole.FIRST
         core_lease = CoreLease(args.core_lease, role, config.step_target_s)
+    # Read while the model loads (`--kv-peers -`); a decode worker fails here, before it computes anything.
+    kv_peers = asyncio.ensure_future(read_kv_peers(args.kv_peers))
     engine = await asyncio.to_thread(LLMEngine, args.model, config, connector, core_lease)
+    await kv_peers
     kv_events = KVEventPublisher(asyncio.get_running_loop(), config.block_size, engine.kv_hash_seed)
     async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_queued_requests, kv_events_sink=kv_events.publish)
     if isinstance(connector, DecodeKVConnector):
@@ -178,8 +198,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         worker_service = EngineWorkerService(async_engine, "both", kv_events)
     elif args.role == "decode":
         server = GrpcServer([SERVICE_NAMES["worker"]], credentials, interceptors)
-        kv_peers = frozenset(args.kv_peers) if args.kv_peers is not None else None
-        worker_service = DecodeWorkerService(async_engine, metrics=metrics, kv_peers=kv_peers, kv_events=kv_events)
+        worker_service = DecodeWorkerService(async_engine, metrics=metrics, kv_peers=await kv_peers, kv_events=kv_events)
     else:
         assert registry is not None
         server = GrpcServer([SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], credentials, interceptors)

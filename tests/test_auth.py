@@ -80,12 +80,23 @@ async def test_a_launched_decode_worker_dials_only_the_clusters_prefill_workers(
     assert "--kv-peers" in (refused.value.details() or "")
 
 
-async def _decode_worker(*args: str) -> tuple[str, asyncio.subprocess.Process]:
+async def _start_decode_worker(*args: str, stdin: bytes | None = None) -> asyncio.subprocess.Process:
+    """A decode worker on the tiny model; `stdin`: written to its stdin, which is then closed."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvservice", "serve", "--role", "decode", "--model", "tiny", "--port", "0",
         "--num-blocks", "32", "--num-threads", "1", "--grace-period", "1", *args,
-        stdout=asyncio.subprocess.PIPE, env={**os.environ, **WORKER_ENV},
+        stdin=asyncio.subprocess.PIPE if stdin is not None else None, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE if stdin is not None else None, env={**os.environ, **WORKER_ENV},
     )
+    if stdin is not None:
+        assert process.stdin is not None
+        process.stdin.write(stdin)
+        process.stdin.close()
+    return process
+
+
+async def _decode_worker(*args: str, stdin: bytes | None = None) -> tuple[str, asyncio.subprocess.Process]:
+    process = await _start_decode_worker(*args, stdin=stdin)
     assert process.stdout is not None
     line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()
     match = re.search(r"listening on (\S+:\d+)", line)
@@ -105,8 +116,12 @@ async def _decode_worker(*args: str) -> tuple[str, asyncio.subprocess.Process]:
         ("127.0.0.1:2", grpc.StatusCode.PERMISSION_DENIED),
     ],
 )
-async def test_decode_dials_only_its_kv_peers(remote_address: str, code: grpc.StatusCode) -> None:
-    address, process = await _decode_worker("--kv-peers", "127.0.0.1:1")
+@pytest.mark.parametrize("given", ["argv", "stdin"])
+async def test_decode_dials_only_its_kv_peers(remote_address: str, code: grpc.StatusCode, given: str) -> None:
+    if given == "argv":
+        address, process = await _decode_worker("--kv-peers", "127.0.0.1:1")
+    else:  # as `kvservice launch` starts it: the line comes once the prefill workers are ready
+        address, process = await _decode_worker("--kv-peers", "-", stdin=b"127.0.0.1:1 127.0.0.1:3\n")
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             request = pb.DecodeRequest(
@@ -120,3 +135,10 @@ async def test_decode_dials_only_its_kv_peers(remote_address: str, code: grpc.St
     finally:
         process.send_signal(signal.SIGTERM)
         await asyncio.wait_for(process.wait(), 30)
+
+
+async def test_a_decode_worker_whose_stdin_ends_before_its_kv_peers_exits_with_the_reason() -> None:
+    process = await _start_decode_worker("--kv-peers", "-", stdin=b"")
+    _, stderr = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 2
+    assert b"--kv-peers -: stdin ended before a line of prefill addresses" in stderr
