@@ -66,7 +66,12 @@ def servers() -> Iterator[Servers]:
     s = Servers()
     try:
         s.run(s.colocated.start())
-        s.run(s.prefill._spawn("prefill-0", [sys.executable, "-m", "kvservice", "serve", "--model", "tiny", "--role", "prefill", *WORKER_ARGS], None))
+        prefill_cmd = [sys.executable, "-m", "kvservice", "serve", "--model", "tiny", "--role", "prefill", *WORKER_ARGS]
+
+        async def start_prefill() -> None:
+            await s.prefill._ready(await s.prefill._spawn("prefill-0", prefill_cmd, None))
+
+        s.run(start_prefill())
 
         async def connect() -> None:  # channels belong to the loop they are made on
             s.client = KVServiceClient(s.colocated.address)
