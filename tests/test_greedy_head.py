@@ -6,6 +6,10 @@ requests with it and gives the tokens the logits give.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from gguf_models import random_block_quant_weight
@@ -98,6 +102,21 @@ def test_the_op_rejects_arguments_it_cannot_read(vnni: None) -> None:
         torch.ops.kvservice.greedy_head(x, head.vnni_codes, 0, weight.codes, weight.scales, weight.mins, head.abs_sums, True)
     with pytest.raises(RuntimeError, match="vnni_codes"):
         torch.ops.kvservice.greedy_head(torch.randn(4, 320), head.vnni_codes, 128, weight.codes, weight.scales, weight.mins, head.abs_sums, True)
+
+
+_TOKEN_TESTS = "full_logits_argmax or keep_them_in_the_estimates or first_index or decided_by_the_float32"
+
+
+@pytest.mark.skipif(os.environ.get("KVSERVICE_GREEDY_HEAD_DOT") == "maddubs", reason="already the AVX2 estimates")
+def test_the_avx2_estimates_give_the_same_tokens(vnni: None) -> None:
+    """The AVX2 estimates (vpmaddubsw) serve CPUs without VNNI; where the CPU has it, they would
+    go untested: this file's token tests again, with the op made to take them."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-m", "not slow", "-k", _TOKEN_TESTS],
+        env={**os.environ, "KVSERVICE_GREEDY_HEAD_DOT": "maddubs"}, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "17 passed" in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.slow

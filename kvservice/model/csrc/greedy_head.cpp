@@ -35,6 +35,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <limits>
 #include <mutex>
 #include <vector>
@@ -251,10 +253,16 @@ __attribute__((target("avx2,fma,f16c"))) void estimate_panel_maddubs(
 }
 
 // Which integer dot product the estimates use: VNNI's where the CPU has it (and the build
-// compiled it), else AVX2's.
+// compiled it), else AVX2's. KVSERVICE_GREEDY_HEAD_DOT=maddubs takes AVX2's anyway, so that
+// the tests check that path on every machine.
+[[maybe_unused]] bool forced_maddubs() {
+  const char* dot = std::getenv("KVSERVICE_GREEDY_HEAD_DOT");
+  return dot != nullptr && std::string(dot) == "maddubs";
+}
+
 bool has_vnni() {
 #if defined(__AVX512F__)
-  static const bool vnni = __builtin_cpu_supports("avx512vnni");
+  static const bool vnni = __builtin_cpu_supports("avx512vnni") && !forced_maddubs();
   return vnni;
 #else
   return false;
