@@ -36,13 +36,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <string>
 #include <limits>
 #include <mutex>
+#include <string>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
+// The vector builds (panel16.h's AVX-512 or AVX2 lanes; the AVX-512 build implies AVX2, which
+// the estimates take without VNNI). Not F16C's macro: the AVX-512 build's flags leave it unset.
+#if !defined(KVSERVICE_SCALAR_V16)
 #define KVSERVICE_GREEDY_HEAD 1
 #endif
 
