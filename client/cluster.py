@@ -3,8 +3,8 @@
 `kvservice launch`, the demo, the benchmarks and the tests all start servers through it: every child
 listens on a port the OS picks and prints it on its ready line; prefill and decode workers start
 together, and the decode workers read the prefill workers' addresses from stdin once those are
-ready (`--kv-peers -`: the only prefill workers they may dial), so their start-ups overlap; prefill and decode workers that may run on the same cores take turns on them
-through a `--core-lease` file (`kvservice.worker.core_lease`); the cluster is ready when the
+ready (`--kv-peers -`: the only prefill workers they may dial), so their start-ups overlap;
+prefill and decode workers that may run on the same cores take turns on them through a `--core-lease` file (`kvservice.worker.core_lease`); the cluster is ready when the
 proxy's health check says SERVING; stopping sends SIGTERM (graceful drain), then SIGKILL to
 anything still alive after the grace period. No process outlives it:
 on Linux each child gets SIGTERM from the kernel when its parent dies, even by SIGKILL
@@ -104,8 +104,8 @@ class LocalCluster:
         grace = ["--grace-period", f"{self.grace_period:g}"]
         worker = [sys.executable, "-m", "kvservice", "serve", "--model", self.model, *self.worker_args, *grace]
         if self.colocated:
-            child = await self._spawn("both", [*worker, "--role", "both", "--port", str(self.port)], self.colocated_cores)
-            self.address = (await self._ready(child)).address
+            child = await self.start_child("both", [*worker, "--role", "both", "--port", str(self.port)], self.colocated_cores)
+            self.address = child.address
         else:
             worker += self._core_lease_args()
             prefills = [
@@ -132,7 +132,7 @@ class LocalCluster:
             if self.prefill_addresses:
                 proxy_cmd += ["--prefill", *self.prefill_addresses]
             proxy_cmd += ["--decode", *self.decode_addresses]
-            self.address = (await self._ready(await self._spawn("proxy", proxy_cmd, None))).address
+            self.address = (await self.start_child("proxy", proxy_cmd, None)).address
         async with KVServiceClient(self.address, self.client_credentials) as client:
             await client.wait_until_serving(self.startup_timeout)
 
@@ -153,6 +153,10 @@ class LocalCluster:
         if not self.num_prefill or "--kv-peers" in self.worker_args:
             return []
         return ["--kv-peers", "-"]
+
+    async def start_child(self, name: str, cmd: list[str], cores: Sequence[int] | None) -> ChildProcess:
+        """Start a child of this cluster and wait until it is ready (its addresses set)."""
+        return await self._ready(await self._spawn(name, cmd, cores))
 
     async def _spawn(self, name: str, cmd: list[str], cores: Sequence[int] | None, stdin: bool = False) -> ChildProcess:
         """Start a child (`stdin`: with a pipe to its stdin); `_ready` waits for its ready line."""

@@ -170,9 +170,9 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         role = LeaseRole.YIELDING if args.role == "prefill" else LeaseRole.FIRST
         core_lease = CoreLease(args.core_lease, role, config.step_target_s)
     # Read while the model loads (`--kv-peers -`); a decode worker fails here, before it computes anything.
-    kv_peers = asyncio.ensure_future(read_kv_peers(args.kv_peers))
+    reading_kv_peers = asyncio.ensure_future(read_kv_peers(args.kv_peers))
     engine = await asyncio.to_thread(LLMEngine, args.model, config, connector, core_lease)
-    await kv_peers
+    kv_peers = await reading_kv_peers
     kv_events = KVEventPublisher(asyncio.get_running_loop(), config.block_size, engine.kv_hash_seed)
     async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_queued_requests, kv_events_sink=kv_events.publish)
     if isinstance(connector, DecodeKVConnector):
@@ -198,7 +198,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         worker_service = EngineWorkerService(async_engine, "both", kv_events)
     elif args.role == "decode":
         server = GrpcServer([SERVICE_NAMES["worker"]], credentials, interceptors)
-        worker_service = DecodeWorkerService(async_engine, metrics=metrics, kv_peers=await kv_peers, kv_events=kv_events)
+        worker_service = DecodeWorkerService(async_engine, metrics=metrics, kv_peers=kv_peers, kv_events=kv_events)
     else:
         assert registry is not None
         server = GrpcServer([SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], credentials, interceptors)

@@ -52,7 +52,7 @@ class Servers:
         # the loop up: make it this thread's current loop, whatever earlier tests left.
         asyncio.set_event_loop(self.loop)
         self.colocated = LocalCluster("tiny", colocated=True, worker_args=WORKER_ARGS, grace_period=1)
-        # Only its spawn and stop are used: a prefill worker alone, no proxy.
+        # Only its start_child and stop are used: a prefill worker alone, no proxy.
         self.prefill = LocalCluster("tiny", worker_args=WORKER_ARGS, grace_period=1)
         self.client: KVServiceClient | None = None
         self.prefill_channel: grpc.aio.Channel | None = None
@@ -67,11 +67,7 @@ def servers() -> Iterator[Servers]:
     try:
         s.run(s.colocated.start())
         prefill_cmd = [sys.executable, "-m", "kvservice", "serve", "--model", "tiny", "--role", "prefill", *WORKER_ARGS]
-
-        async def start_prefill() -> None:
-            await s.prefill._ready(await s.prefill._spawn("prefill-0", prefill_cmd, None))
-
-        s.run(start_prefill())
+        s.run(s.prefill.start_child("prefill-0", prefill_cmd, None))
 
         async def connect() -> None:  # channels belong to the loop they are made on
             s.client = KVServiceClient(s.colocated.address)
