@@ -4,11 +4,11 @@
 listens on a port the OS picks and prints it on its ready line; prefill and decode workers start
 together, and the decode workers read the prefill workers' addresses from stdin once those are
 ready (`--kv-peers -`: the only prefill workers they may dial), so their start-ups overlap;
-prefill and decode workers that may run on the same cores take turns on them through a `--core-lease` file (`kvservice.worker.core_lease`); the cluster is ready when the
-proxy's health check says SERVING; stopping sends SIGTERM (graceful drain), then SIGKILL to
-anything still alive after the grace period. No process outlives it:
-on Linux each child gets SIGTERM from the kernel when its parent dies, even by SIGKILL
-(`PR_SET_PDEATHSIG`).
+prefill and decode workers that may run on the same cores take turns on them through a
+`--core-lease` file (`kvservice.worker.core_lease`); the cluster is ready when the proxy's health
+check says SERVING; stopping sends SIGTERM (graceful drain), then SIGKILL to anything still alive
+after the grace period. No process outlives it: on Linux each child gets SIGTERM from the kernel
+when its parent dies, even by SIGKILL (`PR_SET_PDEATHSIG`).
 """
 
 from __future__ import annotations
