@@ -22,7 +22,7 @@ from kvservice.model.model import CausalLM
 
 
 @pytest.fixture(scope="module")
-def vnni() -> None:
+def greedy_head_built() -> None:
     if not load_cpu_kernels():
         pytest.skip("the C++ kernels did not build here (the PyTorch path serves)")
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
@@ -38,7 +38,7 @@ def _full_argmax(weight: BlockQuantWeight, x: torch.Tensor) -> list[int]:
 
 @pytest.mark.parametrize("num_rows", [4, 5, 8, 9, 16, 17, 40])
 @pytest.mark.parametrize("is_signed", [True, False])
-def test_tokens_are_the_full_logits_argmax(vnni: None, num_rows: int, is_signed: bool) -> None:
+def test_tokens_are_the_full_logits_argmax(greedy_head_built: None, num_rows: int, is_signed: bool) -> None:
     weight = random_block_quant_weight(4096, 576, is_signed, seed=num_rows)
     head = GreedyHead.build(weight)
     gen = torch.Generator().manual_seed(num_rows)
@@ -49,7 +49,7 @@ def test_tokens_are_the_full_logits_argmax(vnni: None, num_rows: int, is_signed:
     assert head.tokens(x) == _full_argmax(weight, x)
 
 
-def test_signed_codes_with_mins_keep_them_in_the_estimates(vnni: None) -> None:
+def test_signed_codes_with_mins_keep_them_in_the_estimates(greedy_head_built: None) -> None:
     base = random_block_quant_weight(2048, 576, True, seed=3)
     gen = torch.Generator().manual_seed(3)
     mins = (torch.rand(base.mins.shape, generator=gen) * 0.3 - 0.15).half()
@@ -61,7 +61,7 @@ def test_signed_codes_with_mins_keep_them_in_the_estimates(vnni: None) -> None:
     assert head.tokens(x) == _full_argmax(weight, x)
 
 
-def test_equal_logits_go_to_the_first_index(vnni: None) -> None:
+def test_equal_logits_go_to_the_first_index(greedy_head_built: None) -> None:
     x = torch.randn(6, 288, generator=torch.Generator().manual_seed(1))
     codes = torch.randint(-20, 20, (512, 288), generator=torch.Generator().manual_seed(2), dtype=torch.int8)
     codes[37] = codes[300] = (x[0].sign() * 127).to(torch.int8)  # two equal columns, largest for row 0
@@ -72,7 +72,7 @@ def test_equal_logits_go_to_the_first_index(vnni: None) -> None:
     assert tokens == _full_argmax(weight, x)
 
 
-def test_near_ties_are_decided_by_the_float32_logits(vnni: None) -> None:
+def test_near_ties_are_decided_by_the_float32_logits(greedy_head_built: None) -> None:
     # Columns one code step apart in one place: their logits differ far less than the 8-bit
     # estimate's error, so only the float32 pass can tell them apart.
     x = torch.randn(8, 576, generator=torch.Generator().manual_seed(3)).abs()
@@ -88,14 +88,14 @@ def test_near_ties_are_decided_by_the_float32_logits(vnni: None) -> None:
     assert set(tokens or []) <= {90, 250}
 
 
-def test_a_row_that_is_not_finite_is_left_to_the_caller(vnni: None) -> None:
+def test_a_row_that_is_not_finite_is_left_to_the_caller(greedy_head_built: None) -> None:
     weight = random_block_quant_weight(512, 288, True, seed=5)
     x = torch.randn(4, 288, generator=torch.Generator().manual_seed(6))
     x[2, 40] = float("inf")
     assert GreedyHead.build(weight).tokens(x) is None
 
 
-def test_the_op_rejects_arguments_it_cannot_read(vnni: None) -> None:
+def test_the_op_rejects_arguments_it_cannot_read(greedy_head_built: None) -> None:
     weight = random_block_quant_weight(512, 288, True, seed=7)
     head = GreedyHead.build(weight)
     x = torch.randn(4, 288)
@@ -109,7 +109,7 @@ _TOKEN_TESTS = "full_logits_argmax or keep_them_in_the_estimates or first_index 
 
 
 @pytest.mark.skipif(os.environ.get("KVSERVICE_GREEDY_HEAD_DOT") == "maddubs", reason="already the AVX2 estimates")
-def test_the_avx2_estimates_give_the_same_tokens(vnni: None) -> None:
+def test_the_avx2_estimates_give_the_same_tokens(greedy_head_built: None) -> None:
     """The AVX2 estimates (vpmaddubsw) serve CPUs without VNNI; where the CPU has it, they would
     go untested: this file's token tests again, with the op made to take them."""
     result = subprocess.run(
