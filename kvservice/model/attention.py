@@ -10,7 +10,7 @@ into one attention call; then one span per prefill chunk. The decode group reads
 cache in place through its block table with the C++ kernel when it is loaded
 (`kvservice.model.cpu_kernels`), else gathers its contexts and attends with matmuls. A
 prompt's first chunk attends to its own keys with the C++ `prompt_attention` where that
-beats SDPA (AVX-512, up to `PROMPT_KERNEL_MAX_TOKENS`), later chunks to the cached context
+beats SDPA (AVX-512 or AVX2, up to `PROMPT_KERNEL_MAX_TOKENS`), later chunks to the cached context
 with SDPA.
 `AttentionMetadata` is built once per step and shared by every layer.
 """
