@@ -186,7 +186,8 @@ SERVING_STEP_TARGET_MS = 80.0
 # (the decode step's own time varies from step to step, and the tokens cross the proxy). bench
 # peers' concurrency-16 1P1D on 2 Zen 5 cores, alternating: 80 ms -> 377.4, 378.6, 368.1, 362.1
 # tok/s, p99 ITL 89.9, 84.2, 86.3, 85.2 ms (vLLM's: 86-112); 70 ms -> 370.8, 377.8, 370.5, 354.7
-# tok/s, p99 ITL 73.5, 76.1, 75.2, 76.5 ms.
+# tok/s, p99 ITL 73.5, 76.1, 75.2, 76.5 ms. Where decode steps are slower the lease's cycle is three
+# of them instead (`DecodeCycle`): ~100-150 ms on 2 Zen 3 cores.
 LAUNCH_STEP_TARGET_MS = 70.0
 DEFAULT_KV_CACHE_MIB = 1024  # a worker's KV cache when neither --num-blocks nor --kv-cache-mib is given
 

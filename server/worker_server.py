@@ -76,7 +76,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--core-lease", metavar="FILE", default=None,
         help="take turns on the cores with the other workers given the same FILE (on this host, the same cores): a decode "
         "step gets all of them as soon as it starts, a prefill step hands them over between its matmuls so decode steps "
-        "start about --step-target-ms apart; two workers that "
+        "start about --step-target-ms apart, or three decode steps apart where those are slower; two workers that "
         "compute on the same cores at once stall each other (`kvservice launch` gives one to its workers; a --device cuda "
         "worker ignores it; default: off)",
     )

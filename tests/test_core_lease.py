@@ -21,7 +21,7 @@ from kvservice.client.cluster import LocalCluster
 from kvservice.config import EngineConfig
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine
-from kvservice.worker.core_lease import CoreLease, LeaseRole
+from kvservice.worker.core_lease import CoreLease, DecodeCycle, LeaseRole
 
 # A decode worker's end in another process (record locks do not conflict within one): it
 # says when it starts waiting, when it holds the turn, and (with "hold") keeps it until stdin closes.
@@ -90,10 +90,49 @@ def test_a_prefill_step_hands_the_turn_to_a_waiting_decode_step_and_takes_its_ti
         prefill.pause("matmul")  # the step's first pause point: its quantum counts as spent
         assert prefill.num_handovers == 1
         # pause() returns once the decode step has had the turn and given it back; what that took
-        # is taken from the next quantum, down to a quarter of the target.
-        assert prefill.target_s / 4 <= prefill.quantum_s < prefill.target_s
+        # is taken from the next quantum (of the cycle: the target, or three such decode steps),
+        # down to a quarter of the cycle.
+        cycle = prefill.cycle.cycle_s
+        assert cycle == max(0.05, 3 * prefill.cycle.decode_step_s)
+        assert cycle / 4 <= prefill.quantum_s < cycle
         assert [_read(decode), _read(decode)] == ["holding", "released"]
         assert not prefill.others_wait()
+    assert decode.wait(_DEADLINE_S) == 0
+
+
+def test_the_cycle_is_the_target_or_three_smoothed_decode_steps() -> None:
+    cycle = DecodeCycle(0.07)
+    assert cycle.cycle_s == 0.07  # nothing timed yet
+    cycle.observe(0.02)
+    assert cycle.cycle_s == 0.07  # three such steps fit in the target
+    cycle.observe(0.1)  # one slow step moves the smoothed time a fifth of the way
+    assert cycle.decode_step_s == pytest.approx(0.036) and cycle.cycle_s == pytest.approx(0.108)
+    for _ in range(60):
+        cycle.observe(0.05)
+    assert cycle.cycle_s == pytest.approx(0.15, rel=1e-4)
+    with pytest.raises(ValueError, match="target_s"):
+        DecodeCycle(0.0)
+
+
+def test_slow_decode_steps_widen_the_cycle_to_three_of_them(lease_path: str, decode_steps: list[subprocess.Popen[str]]) -> None:
+    """Decode steps far longer than the target leave the prompts two of them, not a quarter of
+    the target: while prompts wait, decode keeps about a third of the cores."""
+    prefill = CoreLease(lease_path, LeaseRole.YIELDING, target_s=0.01)
+    with prefill.turn():
+        decode = _decode_step(lease_path, "hold")
+        decode_steps.append(decode)
+        assert _read(decode) == "waiting"
+        _until(prefill.others_wait, "a decode step to wait")
+        assert decode.stdin is not None
+        release = threading.Timer(0.2, decode.stdin.close)  # the decode step holds the turn >= 0.2 s
+        release.start()
+        prefill.pause("matmul")
+        release.join()
+        assert [_read(decode), _read(decode)] == ["holding", "released"]
+        waited = prefill.cycle.decode_step_s
+        assert waited is not None and waited >= 0.2
+        assert prefill.cycle.cycle_s == pytest.approx(3 * waited)
+        assert prefill.quantum_s == pytest.approx(2 * waited)  # what the decode step left of the cycle
     assert decode.wait(_DEADLINE_S) == 0
 
 

@@ -46,7 +46,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, step_target_ms: float 
             "--step-target-ms", type=float, default=step_target_ms, metavar="MS",
             help="the time from one decode step to the next that arriving prompts may cause, whatever the machine: "
             "a colocated worker's prompt lane and a prefill worker sharing the cores (--core-lease) compute prompts "
-            "for what a decode step leaves of it; a step that chunks prompts adds prompt tokens until its time, "
+            "for what a decode step leaves of it (with --core-lease, of three decode steps where those take longer, "
+            "so decode keeps about a third of the cores while prompts wait); a step that chunks prompts adds prompt tokens until its time, "
             "predicted from the steps measured so far, reaches it; 0: chunks of the fixed "
             f"--max-prefill-tokens-with-decode, and {DEFAULT_STEP_TARGET_MS:g} ms for the lane and the lease "
             f"(default: {step_target_ms:g})",

@@ -13,13 +13,11 @@ So such workers take turns through a lease on a file all of them open (`--core-l
   model's matmuls, hands it over once a decode step waits and running on to the next pause
   point would take it past its quantum (what follows each point was timed in the step's
   earlier layers, which repeat the same ops on the same rows).
-The quantum is what the decode step leaves of `target_s` (the time from one decode step to
-the next: `--step-target-ms`, as a colocated worker's mixed steps), the decode step's time
-being how long the prefill worker waited for the turn back; at least a quarter of it, so a
-slow decode step cannot starve the prompts. A prefill step's first pause point hands over at
-once: the decode step after it takes the requests whose first token the previous prefill step
-produced, a quantum sooner (1P1D at concurrency 16: mean time from the first to the second token
-137-148 -> 84-104 ms). Every step runs on all cores, and no cycle is spent spinning against
+The quantum is what the decode step leaves of the cycle (`DecodeCycle`: the time from one
+decode step to the next), the decode step's time being how long the prefill worker waited for
+the turn back. A prefill step's first pause point hands over at once: the decode step after it
+takes the requests whose first token the previous prefill step produced, a quantum sooner (1P1D
+at concurrency 16: mean time from the first to the second token 137-148 -> 84-104 ms). Every step runs on all cores, and no cycle is spent spinning against
 the other process.
 
 The turn and the "a decode step waits" signal are POSIX record locks on two bytes of the
@@ -41,11 +39,46 @@ _WANT = 1  # held (shared) by every decode step waiting for the turn
 _HELD = (BlockingIOError, PermissionError)  # a non-blocking lock that another process holds: EAGAIN or EACCES
 
 
-def prompt_quantum(target_s: float, decode_step_s: float) -> float:
+def prompt_quantum(cycle_s: float, decode_step_s: float) -> float:
     """How long prompts may compute before the next decode step: what the last decode step left
-    of `target_s`, at least a quarter of it, so a slow decode step cannot starve the prompts
-    (the lease's quantum, and a colocated worker's prompt-lane slice)."""
-    return max(target_s - decode_step_s, target_s / 4)
+    of `cycle_s`, at least a quarter of it, so a slow decode step cannot starve the prompts (the
+    lease's quantum, and a colocated worker's prompt-lane slice of its step target)."""
+    return max(cycle_s - decode_step_s, cycle_s / 4)
+
+
+class DecodeCycle:
+    """The time from one decode step to the next that a prefill worker's quantum aims at.
+
+    The cycle is `target_s` (`--step-target-ms`) or, where decode steps are slow, three of them
+    (smoothed): while prompts wait, decode takes at most about a third of the cores. On 2 Zen 5
+    cores a decode step of 16 requests takes ~21 ms and the 70 ms target holds. On 2 Zen 3 cores
+    (AVX2) `launch`'s decode steps of 8.6 requests took 33 ms: the 70 ms cycle left the prompts
+    so little that half the clients waited for their first token (mean TTFT 7.1-7.3 s) and the
+    decode batch stayed small (by Little's law it holds the tokens/s times 128 times the cycle).
+    Three decode steps there, bench peers' 1P1D load, alternating with the 70 ms cycle: 138.3,
+    150.3, 148.9 against 138.0, 132.8, 133.4 output tok/s; decode batches of 10.8-11.0 requests
+    against 8.8-8.9; mean TTFT 4.8-5.2 against 6.6-7.0 s; p99 ITL 124-151 against 100-103 ms
+    (vLLM's there: 248-281). A colocated worker's prompt lane keeps its step target: the same rule
+    there gave 139.2, 148.8 against 139.7, 153.3 tok/s (its decode batches 11.1 against 10.0-10.5
+    requests already) and a p99 ITL of 131-140 against 89-113 ms."""
+
+    STEPS = 3.0  # the cycle is at least this many (smoothed) decode steps
+    SMOOTHING = 0.2  # weight of the latest decode step in the smoothed one
+
+    def __init__(self, target_s: float) -> None:
+        if not target_s > 0:
+            raise ValueError(f"target_s must be > 0, got {target_s}")
+        self.target_s = target_s
+        self.decode_step_s: float | None = None  # smoothed
+
+    def observe(self, decode_step_s: float) -> None:
+        """A decode step took `decode_step_s`."""
+        smoothed = self.decode_step_s
+        self.decode_step_s = decode_step_s if smoothed is None else smoothed + self.SMOOTHING * (decode_step_s - smoothed)
+
+    @property
+    def cycle_s(self) -> float:
+        return max(self.target_s, self.STEPS * (self.decode_step_s or 0.0))
 
 
 class LeaseRole(enum.Enum):
@@ -57,9 +90,8 @@ class CoreLease:
     """One worker's end of the lease at `path` (created if missing)."""
 
     def __init__(self, path: str, role: LeaseRole, target_s: float) -> None:
-        if not target_s > 0:
-            raise ValueError(f"target_s must be > 0, got {target_s}")
-        self.path, self.role, self.target_s = path, role, target_s
+        self.path, self.role = path, role
+        self.cycle = DecodeCycle(target_s)
         self.quantum_s = target_s  # until a decode step has been timed
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         self._held_since: float | None = None
@@ -122,7 +154,9 @@ class CoreLease:
                 break
         self._held_since = self._taken = time.monotonic()
         self._last_pause = (next_op, self._held_since)
-        self.quantum_s = prompt_quantum(self.target_s, self._held_since - now)
+        waited = self._held_since - now
+        self.cycle.observe(waited)
+        self.quantum_s = prompt_quantum(self.cycle.cycle_s, waited)
 
     def _log_turn(self) -> float:
         """Log the turn that ends now (when tracing); returns now."""
