@@ -113,6 +113,54 @@ void direct_panel(const float* x, int64_t x_stride, const uint8_t* codes, const 
   }
 }
 
+// 1 to 3 rows of float32 x (decode of a request or three), where turning every code into its
+// weight is most of the work (each row adds one FMA a weight to ~5 instructions of dequantizing):
+// each block's scale and min come out of its sum, acc[r, n] = sum over blocks b of scale[n, b] *
+// (x[r, k] * code[n, k] summed over k in b) + min[n, b] * x_sums[r, b], so a code takes a
+// conversion and an FMA per row, where scale * code + min took a multiply and an add more. The
+// loader's float32 weights' function up to float32 rounding, not to the bit (the rounding of
+// scale * code + min is not reproduced); like the interleaved sums these rows took before, a row
+// of 1 to 3 is not the number it is in a batch of 4 or more. x_sums: [R, K / 32], each block's
+// x[r] summed; acc_out keeps the sums between blocks.
+template <int R, int U, bool kPacked>
+void direct_panel_factored(const float* x, int64_t x_stride, const float* x_sums, const uint8_t* codes,
+                           const at::Half* scales, const at::Half* mins, int64_t k_size, float* acc_out,
+                           int64_t acc_stride) {
+  static_assert(U == 1 || U == 2 || U == 4, "k is unrolled by 4");
+  const int64_t num_blocks = k_size / kBlock;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    V16 part[U][R];
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) part[u][r] = zero16();
+    }
+    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += 4) {
+      V16 c0, c1, c2, c3;
+      codes_pair<kPacked>(codes, k, c0, c1);
+      codes_pair<kPacked>(codes, k + 2, c2, c3);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * x_stride + k;
+        part[0][r] = fma16(xr[0], c0, part[0][r]);
+        part[1 % U][r] = fma16(xr[1], c1, part[1 % U][r]);
+        part[2 % U][r] = fma16(xr[2], c2, part[2 % U][r]);
+        part[3 % U][r] = fma16(xr[3], c3, part[3 % U][r]);
+      }
+    }
+    const V16 d = load_half16(scales + b * kPanel), m = load_half16(mins + b * kPanel);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      V16 sum = part[0][r];
+#pragma GCC unroll 4
+      for (int u = 1; u < U; ++u) sum = add16(sum, part[u][r]);
+      const V16 block = fma16(x_sums[r * num_blocks + b], m, mul16(d, sum));
+      float* out = acc_out + r * acc_stride;
+      store16(out, b == 0 ? block : add16(load16(out), block));
+    }
+  }
+}
+
 // Two adjacent panels (the second's codes `code_stride` bytes and its scales and mins
 // `block_stride` further on), R rows: acc[r, 0:32] = the two panels' sums, each over k in order
 // as direct_panel<R, 1> sums them. Each x[r, k] read serves two FMAs, which on Zen 5 (two
@@ -173,10 +221,21 @@ void direct_pair_rows(int64_t num_rows, const float* x, int64_t x_stride, const 
 // run over k in order as the buffered path's do: a row's result is the same in every batch
 // of 4 or more rows, whichever path serves it.
 template <bool kPacked, bool kBf16>
-void direct_rows(int64_t num_rows, bool in_order, const float* x, int64_t x_stride, const uint8_t* codes,
-                 const at::Half* scales, const at::Half* mins, int64_t k_size, float* acc, int64_t acc_stride) {
+void direct_rows(int64_t num_rows, bool in_order, const float* x, int64_t x_stride, const float* x_sums,
+                 const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t k_size, float* acc,
+                 int64_t acc_stride) {
 #define KVSERVICE_DIRECT(R, U) \
   return direct_panel<R, U, kPacked, kBf16>(x, x_stride, codes, scales, mins, k_size, acc, acc_stride)
+#define KVSERVICE_FACTORED(R, U) \
+  return direct_panel_factored<R, U, kPacked>(x, x_stride, x_sums, codes, scales, mins, k_size, acc, acc_stride)
+  if (x_sums != nullptr) {  // float32 x, 1 to 3 rows
+    switch (num_rows) {
+      case 1: KVSERVICE_FACTORED(1, 4);
+      case 2: KVSERVICE_FACTORED(2, 2);
+      default: KVSERVICE_FACTORED(3, 1);
+    }
+  }
+#undef KVSERVICE_FACTORED
   switch (num_rows) {
     case 1: if (in_order) KVSERVICE_DIRECT(1, 1); KVSERVICE_DIRECT(1, 4);
     case 2: if (in_order) KVSERVICE_DIRECT(2, 1); KVSERVICE_DIRECT(2, 2);
@@ -332,6 +391,18 @@ void linear_panels(const float* x, int64_t m_size, int64_t k_size, const uint8_t
     // Pairs of panels in the direct path too from 4 rows, where its sums run over k in order.
     const int64_t wide_max = direct && m_size < 4 ? 1 : kWide;
     const bool use_tile = !direct && n_size * static_cast<int64_t>(sizeof(float)) % 4096 == 0;
+    // 1 to 3 rows of float32 x: each block's sum of x, for direct_panel_factored.
+    std::vector<float> x_sums;
+    if (direct && m_size < 4 && !kBf16) {
+      x_sums.resize(m_size * (k_size / kBlock));
+      for (int64_t r = 0; r < m_size; ++r) {
+        for (int64_t b = 0; b < k_size / kBlock; ++b) {
+          float sum = 0.f;
+          for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) sum += x_block[r * k_size + k];
+          x_sums[r * (k_size / kBlock) + b] = sum;
+        }
+      }
+    }
     // One group: `wide` panels from p0; `next`: the group this thread computes after it (-1: unknown).
     // buf and tile: the buffered path's (kChunk * kPanel floats, and kRowBlock * kWide * kPanel).
     const auto compute_group = [&](int64_t group, int64_t next, float* buf, float* tile) {
@@ -354,6 +425,7 @@ void linear_panels(const float* x, int64_t m_size, int64_t k_size, const uint8_t
         } else if (direct) {
           for (int64_t r0 = 0; r0 < m_len; r0 += kDirectGroup) {
             direct_rows<kPacked, kBf16>(std::min(kDirectGroup, m_len - r0), m_size > 3, x_block + r0 * k_size, k_size,
+                                        x_sums.empty() ? nullptr : x_sums.data() + r0 * (k_size / kBlock),
                                         codes + p0 * panel_code_bytes, scales + p0 * panel_blocks,
                                         mins + p0 * panel_blocks, k_size, sums + r0 * sums_stride, sums_stride);
           }

@@ -115,32 +115,38 @@ inline V16 round_bf16(V16 w) {
 
 // ------------------------------------------------------------------ dequantizing codes
 
-// The panel's 16 weights at k and k + 1 (k even, `codes` at k's row): scale * code + min, the
-// product rounded before the sum; bfloat16-rounded when kBf16.
-template <bool kPacked, bool kBf16>
-inline void dequantize_pair(const uint8_t* codes, int64_t k, V16 d, V16 m, V16& w0, V16& w1) {
+// The panel's 16 codes at k and k + 1 (k even, `codes` at k's row), as float32 values.
+template <bool kPacked>
+inline void codes_pair(const uint8_t* codes, int64_t k, V16& c0, V16& c1) {
 #ifdef KVSERVICE_SCALAR_V16
   for (int64_t n = 0; n < kPanel; ++n) {
     if constexpr (kPacked) {
       const uint8_t byte = codes[k / 2 * kPanel + n];
-      w0.f[n] = static_cast<float>(byte & 0x0F);
-      w1.f[n] = static_cast<float>(byte >> 4);
+      c0.f[n] = static_cast<float>(byte & 0x0F);
+      c1.f[n] = static_cast<float>(byte >> 4);
     } else {
-      w0.f[n] = static_cast<float>(reinterpret_cast<const int8_t*>(codes)[k * kPanel + n]);
-      w1.f[n] = static_cast<float>(reinterpret_cast<const int8_t*>(codes)[(k + 1) * kPanel + n]);
+      c0.f[n] = static_cast<float>(reinterpret_cast<const int8_t*>(codes)[k * kPanel + n]);
+      c1.f[n] = static_cast<float>(reinterpret_cast<const int8_t*>(codes)[(k + 1) * kPanel + n]);
     }
   }
 #else
   if constexpr (kPacked) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k / 2 * kPanel));
     const __m128i low = _mm_set1_epi8(0x0F);
-    w0 = u8_to_float(_mm_and_si128(bytes, low));
-    w1 = u8_to_float(_mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+    c0 = u8_to_float(_mm_and_si128(bytes, low));
+    c1 = u8_to_float(_mm_and_si128(_mm_srli_epi16(bytes, 4), low));
   } else {
-    w0 = i8_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kPanel)));
-    w1 = i8_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (k + 1) * kPanel)));
+    c0 = i8_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kPanel)));
+    c1 = i8_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (k + 1) * kPanel)));
   }
 #endif
+}
+
+// The panel's 16 weights at k and k + 1 (k even, `codes` at k's row): scale * code + min, the
+// product rounded before the sum; bfloat16-rounded when kBf16.
+template <bool kPacked, bool kBf16>
+inline void dequantize_pair(const uint8_t* codes, int64_t k, V16 d, V16 m, V16& w0, V16& w1) {
+  codes_pair<kPacked>(codes, k, w0, w1);
   w0 = add16(mul16(d, w0), m);
   w1 = add16(mul16(d, w1), m);
   if constexpr (kBf16) {
