@@ -24,8 +24,9 @@
 //
 // Two paths. Up to kDirectRows rows of x (decode of a few requests), each panel's weights are
 // dequantized in registers and used at once: nothing is written back, so the loop runs at the
-// speed the codes stream in. More rows dequantize a chunk of the panel once into an L1 buffer
-// that every row tile then reads.
+// speed the codes stream in (1 to 3 rows of float32 x take each block's scale and min out of its
+// sum instead: direct_panel_factored). More rows dequantize a chunk of the panel once into an L1
+// buffer that every row tile then reads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
