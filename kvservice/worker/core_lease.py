@@ -17,8 +17,8 @@ The quantum is what the decode step leaves of the cycle (`DecodeCycle`: the time
 decode step to the next), the decode step's time being how long the prefill worker waited for
 the turn back. A prefill step's first pause point hands over at once: the decode step after it
 takes the requests whose first token the previous prefill step produced, a quantum sooner (1P1D
-at concurrency 16: mean time from the first to the second token 137-148 -> 84-104 ms). Every step runs on all cores, and no cycle is spent spinning against
-the other process.
+at concurrency 16: mean time from the first to the second token 137-148 -> 84-104 ms). Every
+step runs on all cores, and no cycle is spent spinning against the other process.
 
 The turn and the "a decode step waits" signal are POSIX record locks on two bytes of the
 file: the kernel drops a process's locks when it dies, so a crashed worker never wedges

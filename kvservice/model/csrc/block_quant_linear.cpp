@@ -77,6 +77,20 @@ constexpr int64_t kRowBlock = 256;  // rows of x per pass over the panels (see l
 
 // ------------------------------------------------------------------ direct path: few rows
 
+// sums[(k + j) mod U][r] += x[r, k + j] * v_j for j < 4 and R rows of x: the direct path's four
+// k at a time, into U interleaved partial sums (U of 1, 2 or 4).
+template <int R, int U>
+inline void fma_four(const float* x, int64_t x_stride, int64_t k, V16 v0, V16 v1, V16 v2, V16 v3, V16 (&sums)[U][R]) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const float* xr = x + r * x_stride + k;
+    sums[0][r] = fma16(xr[0], v0, sums[0][r]);
+    sums[1 % U][r] = fma16(xr[1], v1, sums[1 % U][r]);
+    sums[2 % U][r] = fma16(xr[2], v2, sums[2 % U][r]);
+    sums[3 % U][r] = fma16(xr[3], v3, sums[3 % U][r]);
+  }
+}
+
 // acc[r, 0:16] = sum over k of x[r, k] * W[panel row, k], for R rows of x, the weights
 // dequantized in registers. U interleaved partial sums (k mod U) keep enough FMA chains in
 // flight for few rows (an FMA's result is ready 4 cycles later and two issue a cycle).
@@ -96,14 +110,7 @@ void direct_panel(const float* x, int64_t x_stride, const uint8_t* codes, const 
       V16 w0, w1, w2, w3;
       dequantize_pair<kPacked, kBf16>(codes, k, d, m, w0, w1);
       dequantize_pair<kPacked, kBf16>(codes, k + 2, d, m, w2, w3);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * x_stride + k;
-        acc[0][r] = fma16(xr[0], w0, acc[0][r]);
-        acc[1 % U][r] = fma16(xr[1], w1, acc[1 % U][r]);
-        acc[2 % U][r] = fma16(xr[2], w2, acc[2 % U][r]);
-        acc[3 % U][r] = fma16(xr[3], w3, acc[3 % U][r]);
-      }
+      fma_four<R, U>(x, x_stride, k, w0, w1, w2, w3, acc);
     }
   }
 #pragma GCC unroll 4
@@ -140,14 +147,7 @@ void direct_panel_factored(const float* x, int64_t x_stride, const float* x_sums
       V16 c0, c1, c2, c3;
       codes_pair<kPacked>(codes, k, c0, c1);
       codes_pair<kPacked>(codes, k + 2, c2, c3);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * x_stride + k;
-        part[0][r] = fma16(xr[0], c0, part[0][r]);
-        part[1 % U][r] = fma16(xr[1], c1, part[1 % U][r]);
-        part[2 % U][r] = fma16(xr[2], c2, part[2 % U][r]);
-        part[3 % U][r] = fma16(xr[3], c3, part[3 % U][r]);
-      }
+      fma_four<R, U>(x, x_stride, k, c0, c1, c2, c3, part);
     }
     const V16 d = load_half16(scales + b * kPanel), m = load_half16(mins + b * kPanel);
 #pragma GCC unroll 4
