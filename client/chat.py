@@ -57,8 +57,12 @@ async def chat(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> int:
             answer = ""
             try:
                 async for chunk in client.generate(
-                    history, timeout=args.timeout, max_tokens=args.max_tokens, temperature=args.temperature,
-                    top_p=args.top_p, seed=args.seed,
+                    history,
+                    timeout=args.timeout,
+                    max_tokens=args.max_tokens,
+                    temperature=args.temperature,
+                    top_p=args.top_p,
+                    seed=args.seed,
                 ):
                     answer += chunk.text
                     stdout.write(chunk.text)

@@ -1,8 +1,8 @@
 """Async gRPC client for kvservice's client API (the proxy, or a colocated worker).
 
-    async with KVServiceClient("127.0.0.1:8000") as client:
-        async for chunk in client.generate("Hello", max_tokens=16, temperature=0):
-            print(chunk.text, end="")
+async with KVServiceClient("127.0.0.1:8000") as client:
+    async for chunk in client.generate("Hello", max_tokens=16, temperature=0):
+        print(chunk.text, end="")
 """
 
 from __future__ import annotations
@@ -128,7 +128,9 @@ class KVServiceClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def generate(self, prompt: PromptInput, timeout: float | None = None, **params: object) -> AsyncIterator[GenerateChunk]:
+    async def generate(
+        self, prompt: PromptInput, timeout: float | None = None, **params: object
+    ) -> AsyncIterator[GenerateChunk]:
         """Stream chunks of tokens; the last one has `finish_reason`. Errors raise grpc.aio.AioRpcError."""
         call = self._stub.Generate(build_request(prompt, **params), timeout=timeout, metadata=self._metadata)  # type: ignore[arg-type]
         try:
@@ -177,7 +179,9 @@ class KVServiceClient:
             await self._watch_until_serving(deadline)
 
     async def _watch_until_serving(self, deadline: float) -> None:
-        call = self._health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=max(0.1, deadline - time.monotonic()))
+        call = self._health.Watch(
+            health_pb2.HealthCheckRequest(service=""), timeout=max(0.1, deadline - time.monotonic())
+        )
         try:
             async for reply in call:
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:

@@ -104,17 +104,21 @@ class LocalCluster:
         grace = ["--grace-period", f"{self.grace_period:g}"]
         worker = [sys.executable, "-m", "kvservice", "serve", "--model", self.model, *self.worker_args, *grace]
         if self.colocated:
-            child = await self.start_child("both", [*worker, "--role", "both", "--port", str(self.port)], self.colocated_cores)
+            child = await self.start_child(
+                "both", [*worker, "--role", "both", "--port", str(self.port)], self.colocated_cores
+            )
             self.address = child.address
         else:
             worker += self._core_lease_args()
             prefills = [
-                await self._spawn(f"prefill-{i}", [*worker, "--role", "prefill"], self.prefill_cores) for i in range(self.num_prefill)
+                await self._spawn(f"prefill-{i}", [*worker, "--role", "prefill"], self.prefill_cores)
+                for i in range(self.num_prefill)
             ]
             kv_peers = self._kv_peers_args()
             decode = [*worker, "--role", "decode", *kv_peers]
             decodes = [
-                await self._spawn(f"decode-{i}", decode, self.decode_cores, stdin=bool(kv_peers)) for i in range(self.num_decode)
+                await self._spawn(f"decode-{i}", decode, self.decode_cores, stdin=bool(kv_peers))
+                for i in range(self.num_decode)
             ]
             await asyncio.gather(*(self._ready(child) for child in prefills))
             if kv_peers:
@@ -141,9 +145,15 @@ class LocalCluster:
         cores given means all of them), unless the caller turned it off or named one."""
         if not self.core_lease or "--core-lease" in self.worker_args or not self.num_prefill or not self.num_decode:
             return []
-        if self.prefill_cores is not None and self.decode_cores is not None and not set(self.prefill_cores) & set(self.decode_cores):
+        if (
+            self.prefill_cores is not None
+            and self.decode_cores is not None
+            and not set(self.prefill_cores) & set(self.decode_cores)
+        ):
             return []
-        fd, self.core_lease_path = tempfile.mkstemp(prefix="kvservice-cores-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        fd, self.core_lease_path = tempfile.mkstemp(
+            prefix="kvservice-cores-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+        )
         os.close(fd)
         return ["--core-lease", self.core_lease_path]
 
@@ -170,8 +180,12 @@ class LocalCluster:
                 os.sched_setaffinity(0, core_set)
 
         process = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.PIPE if stdin else None, stdout=asyncio.subprocess.PIPE, env=env,
-            preexec_fn=preexec, start_new_session=True,
+            *cmd,
+            stdin=asyncio.subprocess.PIPE if stdin else None,
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+            preexec_fn=preexec,
+            start_new_session=True,
         )
         child = ChildProcess(name, process, cmd)
         self.children.append(child)

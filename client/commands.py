@@ -31,7 +31,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, metavar="HOST:PORT", help="the proxy or a colocated worker")
     parser.add_argument("prompt", nargs="?", help="prompt text (or use --prompt-token-ids or --chat)")
     parser.add_argument("--prompt-token-ids", type=_token_ids, metavar="1,2,3", help="prompt as token ids")
-    parser.add_argument("--chat", metavar="MESSAGE", help="one chat turn: MESSAGE as the user's message, rendered with the model's chat template")
+    parser.add_argument(
+        "--chat",
+        metavar="MESSAGE",
+        help="one chat turn: MESSAGE as the user's message, rendered with the model's chat template",
+    )
     parser.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default: 16)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
@@ -40,12 +44,17 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     parser.add_argument(
-        "--stop", action="append", default=[], metavar="TEXT",
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
         help="stop when the text contains TEXT, which is not printed (repeat for several)",
     )
     parser.add_argument("--request-id", default="", help="request id (default: the server assigns one)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    parser.add_argument("--json", action="store_true", help="last line: one JSON object with token_ids, text, finish_reason")
+    parser.add_argument(
+        "--json", action="store_true", help="last line: one JSON object with token_ids, text, finish_reason"
+    )
     add_tls_arguments(parser)
 
 
@@ -95,7 +104,9 @@ async def _generate(args: argparse.Namespace) -> int:
             print(f"\nkvservice generate: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
     if args.json:
-        print(json.dumps({"request_id": request_id, "token_ids": token_ids, "text": text, "finish_reason": finish_reason}))
+        print(
+            json.dumps({"request_id": request_id, "token_ids": token_ids, "text": text, "finish_reason": finish_reason})
+        )
     else:
         print(f"\n[{len(token_ids)} tokens, finish_reason={finish_reason}]")
     return 0
@@ -123,18 +134,27 @@ async def _stats(args: argparse.Namespace) -> int:
         print(json.dumps(data))
         return 0
     print(f"role: {data['role']}")
-    for key in ("num_blocks_total", "num_blocks_free", "num_running_requests", "num_waiting_requests",
-                "num_waiting_for_remote_kv", "num_finished_requests", "num_aborted_requests"):
+    for key in (
+        "num_blocks_total",
+        "num_blocks_free",
+        "num_running_requests",
+        "num_waiting_requests",
+        "num_waiting_for_remote_kv",
+        "num_finished_requests",
+        "num_aborted_requests",
+    ):
         print(f"  {key:<28} {data[key]}")
     for direction in ("kv_sending", "kv_receiving"):
         print(f"  {direction}: " + ", ".join(f"{k}={v}" for k, v in data.get(direction, {}).items()))
     print(f"  prefix_cache: {_hit_rate(stats.prefix_cache)}")
     for worker, entry in zip(data.get("workers", []), stats.workers):
         s = worker.get("stats", {})
-        print(f"  worker {worker['address']} ({s.get('role') or worker.get('role') or '?'}, {worker.get('state') or '?'}, "
-              f"healthy={worker['is_healthy']}, outstanding={worker['num_outstanding']}): "
-              f"blocks free {s.get('num_blocks_free', 0)}/{s.get('num_blocks_total', 0)}, prefix cache {_hit_rate(entry.stats.prefix_cache)}, "
-              f"indexed by the proxy {entry.num_indexed_blocks} blocks")
+        print(
+            f"  worker {worker['address']} ({s.get('role') or worker.get('role') or '?'}, {worker.get('state') or '?'}, "
+            f"healthy={worker['is_healthy']}, outstanding={worker['num_outstanding']}): "
+            f"blocks free {s.get('num_blocks_free', 0)}/{s.get('num_blocks_total', 0)}, prefix cache {_hit_rate(entry.stats.prefix_cache)}, "
+            f"indexed by the proxy {entry.num_indexed_blocks} blocks"
+        )
     return 0
 
 

@@ -33,9 +33,18 @@ DEMO_WORKER_ARGS = ("--max-model-len", "2048", "--kv-cache-mib", "96")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", help="'smollm2' (SmolLM2-135M-Instruct, installed by make setup), 'tiny', a model directory or a GGUF file (default: smollm2)")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (SmolLM2-135M-Instruct, installed by make setup), 'tiny', a model directory or a GGUF file (default: smollm2)",
+    )
     parser.add_argument("--max-tokens", type=int, default=96, help="most tokens per answer (default: 96)")
-    parser.add_argument("--num-questions", type=int, default=len(DEMO_QUESTIONS), help=f"questions asked at once (default: {len(DEMO_QUESTIONS)})")
+    parser.add_argument(
+        "--num-questions",
+        type=int,
+        default=len(DEMO_QUESTIONS),
+        help=f"questions asked at once (default: {len(DEMO_QUESTIONS)})",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -49,13 +58,20 @@ async def _demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     print(f"kvservice demo: launching 1 prefill + 1 decode worker and a proxy on model {args.model!r} ...", flush=True)
     proxy_args = ("--http-port", "0", "--model", args.model)
-    async with LocalCluster(args.model, worker_args=DEMO_WORKER_ARGS, proxy_args=proxy_args, startup_timeout=300) as cluster:
+    async with LocalCluster(
+        args.model, worker_args=DEMO_WORKER_ARGS, proxy_args=proxy_args, startup_timeout=300
+    ) as cluster:
         http = cluster.child("proxy").http_address
-        print(f"  ready in {time.perf_counter() - t0:.1f} s: proxy gRPC {cluster.address}, HTTP http://{http}/v1, "
-              f"prefill {cluster.prefill_addresses[0]}, decode {cluster.decode_addresses[0]}", flush=True)
+        print(
+            f"  ready in {time.perf_counter() - t0:.1f} s: proxy gRPC {cluster.address}, HTTP http://{http}/v1, "
+            f"prefill {cluster.prefill_addresses[0]}, decode {cluster.decode_addresses[0]}",
+            flush=True,
+        )
         questions = DEMO_QUESTIONS[: args.num_questions]
         print(f"  asking {len(questions)} questions at once through /v1/chat/completions (streamed) ...\n", flush=True)
-        async with openai.AsyncOpenAI(base_url=f"http://{http}/v1", api_key="demo", max_retries=0, timeout=300) as client:
+        async with openai.AsyncOpenAI(
+            base_url=f"http://{http}/v1", api_key="demo", max_retries=0, timeout=300
+        ) as client:
             model = (await client.models.list()).data[0].id
             start = time.perf_counter()
             records = await asyncio.gather(
@@ -73,8 +89,11 @@ async def _demo(args: argparse.Namespace) -> int:
     ]
     print()
     print(format_report(metrics, extra))
-    leaked = [(w.address, w.stats.num_blocks_total - w.stats.num_blocks_free) for w in stats.workers
-              if w.stats.num_blocks_free != w.stats.num_blocks_total]
+    leaked = [
+        (w.address, w.stats.num_blocks_total - w.stats.num_blocks_free)
+        for w in stats.workers
+        if w.stats.num_blocks_free != w.stats.num_blocks_total
+    ]
     print(f"kvservice demo: stopped every process ({time.perf_counter() - t0:.1f} s in all)")
     if metrics.failed or leaked:
         print(f"kvservice demo: FAILED ({metrics.failed} failed requests; blocks still in use: {leaked})")
@@ -82,7 +101,9 @@ async def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _ask(client: openai.AsyncOpenAI, model: str, request_id: str, question: str, max_tokens: int) -> RequestRecord:
+async def _ask(
+    client: openai.AsyncOpenAI, model: str, request_id: str, question: str, max_tokens: int
+) -> RequestRecord:
     """One streamed chat request, timed token by token; its answer printed when it is complete."""
     record = RequestRecord(request_id, prompt_len=0, start=time.perf_counter())
     messages = [{"role": "user", "content": question}]  # the model's template adds its own system prompt
@@ -98,8 +119,13 @@ async def _chat_chunks(
 ) -> AsyncIterator[StreamedChunk]:
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,  # type: ignore[arg-type]
-            stream_options={"include_usage": True}, extra_headers={"X-Request-Id": request_id},
+            model=model,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True},
+            extra_headers={"X-Request-Id": request_id},
         )
         async for chunk in stream:
             num_prompt_tokens = chunk.usage.prompt_tokens if chunk.usage is not None else 0

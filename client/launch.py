@@ -14,28 +14,50 @@ from kvservice.config import LAUNCH_STEP_TARGET_MS
 from kvservice.runtime.engine_args import add_engine_arguments, engine_argv, engine_config
 from kvservice.runtime.event_loop import run_event_loop
 from kvservice.runtime.routing_args import add_routing_arguments, routing_argv
-from kvservice.runtime.tls import AUTH_TOKEN_ENV, TLSFiles, add_tls_arguments, add_worker_peer_names_argument, check_worker_peer_names
+from kvservice.runtime.tls import (
+    AUTH_TOKEN_ENV,
+    TLSFiles,
+    add_tls_arguments,
+    add_worker_peer_names_argument,
+    check_worker_peer_names,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="'tiny', 'smollm2', a Hugging Face model directory or a GGUF file (default: tiny)")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny', 'smollm2', a Hugging Face model directory or a GGUF file (default: tiny)",
+    )
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers (default: 1)")
     parser.add_argument("--num-decode", type=int, default=1, help="decode workers (default: 1)")
     parser.add_argument("--port", type=int, default=8000, help="the proxy's port (default: 8000; 0 lets the OS pick)")
-    parser.add_argument("--http-port", type=int, default=None, help="the proxy's OpenAI-compatible HTTP API on this port (default: off)")
-    parser.add_argument("--metrics-port", type=int, default=None, help="the proxy's Prometheus /metrics on this port; every worker gets one the OS picks (default: off)")
     parser.add_argument(
-        "--grace-period", type=float, default=30.0,
+        "--http-port", type=int, default=None, help="the proxy's OpenAI-compatible HTTP API on this port (default: off)"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="the proxy's Prometheus /metrics on this port; every worker gets one the OS picks (default: off)",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
         help="seconds every child gets to drain on Ctrl-C / SIGTERM before it is killed (default: 30)",
     )
     parser.add_argument(
-        "--kv-transfer-shm", action=argparse.BooleanOptionalAction, default=True,
+        "--kv-transfer-shm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="KV from prefill to decode workers through shared-memory segments, only headers over gRPC (every "
         "worker runs on this host; `kvservice serve --kv-transfer-shm`): about half the CPU a KV byte costs over "
         "the gRPC stream (default: on)",
     )
     parser.add_argument(
-        "--no-core-lease", action="store_true",
+        "--no-core-lease",
+        action="store_true",
         help="let prefill and decode workers compute on the same cores at once (default: they take turns through a "
         "lease file, decode steps first: `kvservice serve --core-lease`)",
     )
@@ -44,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_peer_names_argument(parser)  # passed to every worker
     # Passed to every worker; the lease's decode-to-decode cycle aims lower than `serve`'s steps.
     add_engine_arguments(parser, step_target_ms=LAUNCH_STEP_TARGET_MS)
-    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker")
+    parser.add_argument(
+        "worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker"
+    )
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
@@ -88,8 +112,15 @@ async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:
     if args.metrics_port is not None:
         worker_args = [*worker_args, "--metrics-port", "0"]
     cluster = LocalCluster(
-        args.model, args.num_prefill, args.num_decode, args.port, worker_args, proxy_args=proxy_args,
-        client_credentials=tls.channel_credentials(), grace_period=args.grace_period, core_lease=not args.no_core_lease,
+        args.model,
+        args.num_prefill,
+        args.num_decode,
+        args.port,
+        worker_args,
+        proxy_args=proxy_args,
+        client_credentials=tls.channel_credentials(),
+        grace_period=args.grace_period,
+        core_lease=not args.no_core_lease,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -112,7 +143,11 @@ async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:
         starting.result()
         print(f"kvservice launch: proxy listening on {cluster.address}", flush=True)
         for child in cluster.children:
-            extras = "".join(f", {what} {address}" for what, address in (("http", child.http_address), ("metrics", child.metrics_address)) if address)
+            extras = "".join(
+                f", {what} {address}"
+                for what, address in (("http", child.http_address), ("metrics", child.metrics_address))
+                if address
+            )
             print(f"  {child.name:<10} {child.address}  (pid {child.process.pid}{extras})", flush=True)
         print("Ctrl-C or SIGTERM stops everything.", flush=True)
         waits = [asyncio.create_task(c.process.wait()) for c in cluster.children]

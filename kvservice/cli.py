@@ -26,33 +26,70 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "serve": Command("kvservice.server.worker_server", "run one worker: --role prefill | decode | both (colocated)"),
-    "proxy": Command("kvservice.server.proxy.server", "run the router that clients talk to, in front of prefill and decode workers"),
-    "launch": Command("kvservice.client.launch", "start N prefill + M decode workers and a proxy locally; Ctrl-C stops all"),
-    "generate": Command("kvservice.client.commands", "send one request and stream its tokens to the terminal",
-                        "add_generate_arguments", "generate_main"),
-    "chat": Command("kvservice.client.chat", "an interactive chat in the terminal (history kept, answers streamed; Ctrl-D quits)"),
-    "stats": Command("kvservice.client.commands", "show a server's KV blocks, requests and KV transfer counters",
-                     "add_stats_arguments", "stats_main"),
-    "health": Command("kvservice.client.commands", "check a server's gRPC health (exit 0 when SERVING)",
-                      "add_health_arguments", "health_main"),
-    "demo": Command("kvservice.client.demo", "the main job: launch a prefill/decode pair on SmolLM2, ask it chat questions, report latency, stop"),
+    "proxy": Command(
+        "kvservice.server.proxy.server", "run the router that clients talk to, in front of prefill and decode workers"
+    ),
+    "launch": Command(
+        "kvservice.client.launch", "start N prefill + M decode workers and a proxy locally; Ctrl-C stops all"
+    ),
+    "generate": Command(
+        "kvservice.client.commands",
+        "send one request and stream its tokens to the terminal",
+        "add_generate_arguments",
+        "generate_main",
+    ),
+    "chat": Command(
+        "kvservice.client.chat", "an interactive chat in the terminal (history kept, answers streamed; Ctrl-D quits)"
+    ),
+    "stats": Command(
+        "kvservice.client.commands",
+        "show a server's KV blocks, requests and KV transfer counters",
+        "add_stats_arguments",
+        "stats_main",
+    ),
+    "health": Command(
+        "kvservice.client.commands",
+        "check a server's gRPC health (exit 0 when SERVING)",
+        "add_health_arguments",
+        "health_main",
+    ),
+    "demo": Command(
+        "kvservice.client.demo",
+        "the main job: launch a prefill/decode pair on SmolLM2, ask it chat questions, report latency, stop",
+    ),
 }
 BENCHMARKS: dict[str, Command] = {
-    "serve": Command("kvservice.client.bench.serve",
-                     "load a server with a vLLM-style workload: TTFT/TTST/TPOT/ITL/E2EL, throughput, KV transfer"),
-    "compare": Command("kvservice.client.bench.compare",
-                       "disaggregated (1 prefill core + 1 decode core) vs colocated (2 cores): same workload, side by side"),
-    "prefix": Command("kvservice.client.bench.prefix",
-                      "prefix caching off vs on, by routing (1 prefill + 2 decode each): same workload, side by side with ratios"),
-    "local-prefill": Command("kvservice.client.bench.local_prefill",
-                             "decode-worker (local) vs disaggregated prefill of uncached prompt tails: the --max-local-prefill-tokens crossover"),
-    "transfer": Command("kvservice.client.bench.transfer", "KV transfer over gRPC PullKV vs raw TCP, tensor to tensor across processes"),
-    "spec": Command("kvservice.client.bench.spec",
-                    "speculative decoding: deferred vs eager finalize of a prefill step; decode tokens/s with good and poor drafts"),
-    "peers": Command("kvservice.client.bench.peers",
-                     "kvservice (colocated, 1P1D) vs llama.cpp and vLLM on SmolLM2: same workload at concurrency 1 and 16, one ratio table"),
-    "engine": Command("kvservice.client.bench.engine",
-                      "prefill and decode tokens/s at batch 1 and 16, side by side with transformers' generate"),
+    "serve": Command(
+        "kvservice.client.bench.serve",
+        "load a server with a vLLM-style workload: TTFT/TTST/TPOT/ITL/E2EL, throughput, KV transfer",
+    ),
+    "compare": Command(
+        "kvservice.client.bench.compare",
+        "disaggregated (1 prefill core + 1 decode core) vs colocated (2 cores): same workload, side by side",
+    ),
+    "prefix": Command(
+        "kvservice.client.bench.prefix",
+        "prefix caching off vs on, by routing (1 prefill + 2 decode each): same workload, side by side with ratios",
+    ),
+    "local-prefill": Command(
+        "kvservice.client.bench.local_prefill",
+        "decode-worker (local) vs disaggregated prefill of uncached prompt tails: the --max-local-prefill-tokens crossover",
+    ),
+    "transfer": Command(
+        "kvservice.client.bench.transfer", "KV transfer over gRPC PullKV vs raw TCP, tensor to tensor across processes"
+    ),
+    "spec": Command(
+        "kvservice.client.bench.spec",
+        "speculative decoding: deferred vs eager finalize of a prefill step; decode tokens/s with good and poor drafts",
+    ),
+    "peers": Command(
+        "kvservice.client.bench.peers",
+        "kvservice (colocated, 1P1D) vs llama.cpp and vLLM on SmolLM2: same workload at concurrency 1 and 16, one ratio table",
+    ),
+    "engine": Command(
+        "kvservice.client.bench.engine",
+        "prefill and decode tokens/s at batch 1 and 16, side by side with transformers' generate",
+    ),
 }
 
 
@@ -80,7 +117,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         _add_all(sub, {name: spec}, command in (None, name))
     bench_help = "benchmarks: " + ", ".join(BENCHMARKS)
     bench = sub.add_parser("bench", help=bench_help, description=bench_help)
-    _add_all(bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK"), BENCHMARKS, command in (None, "bench"))
+    _add_all(
+        bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK"),
+        BENCHMARKS,
+        command in (None, "bench"),
+    )
     return parser
 
 

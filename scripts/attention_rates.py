@@ -73,7 +73,13 @@ def attention_step(requests: int, context: int, layout: str, gen: torch.Generato
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=16, help="requests in the step (default: 16)")
-    parser.add_argument("--context", type=int, nargs="+", default=[128, 320, 512], help="tokens of each request's context (default: 128 320 512)")
+    parser.add_argument(
+        "--context",
+        type=int,
+        nargs="+",
+        default=[128, 320, 512],
+        help="tokens of each request's context (default: 128 320 512)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     args = parser.parse_args()
     gen = prepare_kernels(args.threads)

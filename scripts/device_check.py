@@ -66,15 +66,35 @@ def bench_transfer(device: str, quick: bool, timeout_s: float) -> Figures:
     size, repeats = ("4", "1") if quick else ("256", "3")
     report = _run_bench(["transfer", "--device", device, "--size-mib", size, "--repeats", repeats], timeout_s)
     keys = (
-        "grpc_gbps", "tcp_gbps", "ratio", "plain_grpc_gbps", "shm_gbps", "shm_ratio",
-        "grpc_sender_cpu_s_per_gb", "grpc_receiver_cpu_s_per_gb", "num_verified_bytes",
+        "grpc_gbps",
+        "tcp_gbps",
+        "ratio",
+        "plain_grpc_gbps",
+        "shm_gbps",
+        "shm_ratio",
+        "grpc_sender_cpu_s_per_gb",
+        "grpc_receiver_cpu_s_per_gb",
+        "num_verified_bytes",
     )
     return {k: float(report[k]) for k in keys}
 
 
 def bench_spec(device: str, quick: bool, timeout_s: float) -> Figures:
     sizes = (
-        ["--num-layers", "2", "--prompt-len", "32", "--num-prompts", "2", "--decode-batch", "2", "--max-tokens", "4", "--repeats", "1"]
+        [
+            "--num-layers",
+            "2",
+            "--prompt-len",
+            "32",
+            "--num-prompts",
+            "2",
+            "--decode-batch",
+            "2",
+            "--max-tokens",
+            "4",
+            "--repeats",
+            "1",
+        ]
         if quick
         else ["--num-layers", "8", "--prompt-len", "512", "--num-prompts", "4", "--repeats", "5"]
     )
@@ -128,7 +148,9 @@ async def _pd_transfer(device: str, quick: bool) -> Figures:
             kv_bytes = float((await decode.stats()).kv_receiving.num_bytes)
     num_mismatched = sum(c.token_ids != ref for c, ref in zip(done, colocated, strict=True))
     if num_mismatched or kv_bytes == 0:
-        raise RuntimeError(f"{num_mismatched} of {num_prompts} requests differ from colocated; {kv_bytes:.0f} KV bytes pulled")
+        raise RuntimeError(
+            f"{num_mismatched} of {num_prompts} requests differ from colocated; {kv_bytes:.0f} KV bytes pulled"
+        )
     return {
         "num_requests": float(num_prompts),
         "num_mismatched_requests": float(num_mismatched),
@@ -161,7 +183,13 @@ def _environment(device: str) -> dict[str, Any]:
 def run_checks(device: str, quick: bool, time_limit_s: float, only: list[str] | None = None) -> dict[str, Any]:
     """Every step (or `only` these), each within its share of what is left of `time_limit_s`."""
     deadline = time.monotonic() + time_limit_s
-    report: dict[str, Any] = {**_environment(device), "quick": quick, "time_limit_s": time_limit_s, "steps": {}, "figures": {}}
+    report: dict[str, Any] = {
+        **_environment(device),
+        "quick": quick,
+        "time_limit_s": time_limit_s,
+        "steps": {},
+        "figures": {},
+    }
     for step in STEPS:
         if only and step.name not in only:
             continue
@@ -182,7 +210,11 @@ def run_checks(device: str, quick: bool, time_limit_s: float, only: list[str] | 
                 result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         result["seconds"] = time.monotonic() - start
         report["steps"][step.name] = result
-        print(f"{step.name}: {'ok' if result['ok'] else result['error']} ({result['seconds']:.1f} s)", file=sys.stderr, flush=True)
+        print(
+            f"{step.name}: {'ok' if result['ok'] else result['error']} ({result['seconds']:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     report["num_failed_steps"] = sum(not r["ok"] for r in report["steps"].values())
     return report
 
@@ -190,8 +222,12 @@ def run_checks(device: str, quick: bool, time_limit_s: float, only: list[str] | 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="'cuda[:N]' or 'cpu' (default: cuda)")
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="the JSON's path (default: $OUT/device_check.json, else stdout)")
-    parser.add_argument("--quick", action="store_true", help="small sizes everywhere (a smoke test; figures are not comparable)")
+    parser.add_argument(
+        "--out", type=pathlib.Path, default=None, help="the JSON's path (default: $OUT/device_check.json, else stdout)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes everywhere (a smoke test; figures are not comparable)"
+    )
     parser.add_argument("--time-limit", type=float, default=450.0, help="seconds for all steps together (default: 450)")
     parser.add_argument("--only", nargs="+", choices=[s.name for s in STEPS], help="run only these steps")
     args = parser.parse_args()

@@ -60,7 +60,13 @@ def prepare_kernels(threads: int) -> torch.Generator:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 256, 2040], help="row counts M (default: 1 4 8 16 256 2040)")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=[1, 4, 8, 16, 256, 2040],
+        help="row counts M (default: 1 4 8 16 256 2040)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     args = parser.parse_args()
     gen = prepare_kernels(args.threads)
@@ -70,11 +76,15 @@ def main() -> None:
         inputs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
         cells = []
         for name, (n, k) in SHAPES.items():
-            seconds = best_seconds(functools.partial(layers[0][name].linear, inputs[k]), repeats=max(3, int(2e9 / (2 * rows * n * k))))
+            seconds = best_seconds(
+                functools.partial(layers[0][name].linear, inputs[k]), repeats=max(3, int(2e9 / (2 * rows * n * k)))
+            )
             cells.append(f"{name} {1e3 * seconds:7.3f} ms {2 * rows * n * k / seconds / 1e9:5.0f}")
         seconds = best_seconds(functools.partial(decode_step, layers, inputs), repeats=1, rounds=7)
-        print(f"M={rows:5d} | " + " | ".join(cells) + f" | {LAYERS} layers from DRAM {1e3 * seconds:7.2f} ms "
-              f"{LAYERS * layer_flops * rows / seconds / 1e9:5.0f} GFLOP/s")
+        print(
+            f"M={rows:5d} | " + " | ".join(cells) + f" | {LAYERS} layers from DRAM {1e3 * seconds:7.2f} ms "
+            f"{LAYERS * layer_flops * rows / seconds / 1e9:5.0f} GFLOP/s"
+        )
 
 
 def decode_step(layers: list[dict[str, BlockQuantWeight]], inputs: dict[int, torch.Tensor]) -> None:

@@ -60,7 +60,9 @@ def main() -> None:
     llm = LLM("smollm2")
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=2 * args.steps + 16, ignore_eos=True)  # both runs decode
-    llm.generate([list(range(100, 100 + args.prompt_len))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    llm.generate(
+        [list(range(100, 100 + args.prompt_len))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )
 
     timed(Scheduler, "schedule", "scheduler")
     timed(Scheduler, "update_from_output", "scheduler")
@@ -87,7 +89,9 @@ def main() -> None:
     ops = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
     kernels = sum(t for k, t in ops.items() if k.startswith(("kvservice::", "aten::", "mkldnn::")))
     per_step = lambda seconds: f"{1000 * seconds / args.steps:7.2f} ms"  # noqa: E731
-    print(f"SmolLM2, batch {args.batch}, {args.threads} threads, {args.steps} decode steps after a {args.prompt_len}-token prompt")
+    print(
+        f"SmolLM2, batch {args.batch}, {args.threads} threads, {args.steps} decode steps after a {args.prompt_len}-token prompt"
+    )
     print(f"  {'engine.step (wall)':<34} {per_step(wall)}")
     forward = totals["model forward"]
     print(f"  {'model forward':<34} {per_step(forward)}")

@@ -35,9 +35,13 @@ import time
 from dataclasses import dataclass
 
 COMPUTE_THREADS = ("engine-step", "kvs-pool")
-_EVENT = re.compile(r"^\s*(?P<comm>.*?)\s+(?P<pid>-?\d+)/(?P<tid>\d+)\s+\[(?P<cpu>\d+)\]\s+(?P<time>[\d.]+):\s+sched:sched_switch:\s+(?P<trace>.*)$")
-_SWITCH = re.compile(r"prev_comm=(?P<prev_comm>.*) prev_pid=(?P<prev>\d+) prev_prio=\d+ prev_state=(?P<state>\S+) ==> "
-                     r"next_comm=(?P<next_comm>.*) next_pid=(?P<next>\d+) next_prio=\d+")
+_EVENT = re.compile(
+    r"^\s*(?P<comm>.*?)\s+(?P<pid>-?\d+)/(?P<tid>\d+)\s+\[(?P<cpu>\d+)\]\s+(?P<time>[\d.]+):\s+sched:sched_switch:\s+(?P<trace>.*)$"
+)
+_SWITCH = re.compile(
+    r"prev_comm=(?P<prev_comm>.*) prev_pid=(?P<prev>\d+) prev_prio=\d+ prev_state=(?P<state>\S+) ==> "
+    r"next_comm=(?P<next_comm>.*) next_pid=(?P<next>\d+) next_prio=\d+"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,20 +60,52 @@ def main() -> None:
     record_args = commands.add_parser("record", help="record the scheduler's switches")
     record_args.add_argument("--seconds", type=float, default=5.0, help="how long to record (default: 5)")
     record_args.add_argument("--delay", type=float, default=0.0, help="wait this long first (default: 0)")
-    record_args.add_argument("-o", "--output", type=pathlib.Path, default=pathlib.Path("sched.data"), help="perf's data file (default: sched.data)")
+    record_args.add_argument(
+        "-o",
+        "--output",
+        type=pathlib.Path,
+        default=pathlib.Path("sched.data"),
+        help="perf's data file (default: sched.data)",
+    )
     report_args = commands.add_parser("report", help="where the recorded time went")
-    report_args.add_argument("data", type=pathlib.Path, nargs="?", default=pathlib.Path("sched.data"), help="what record saved (default: sched.data)")
+    report_args.add_argument(
+        "data",
+        type=pathlib.Path,
+        nargs="?",
+        default=pathlib.Path("sched.data"),
+        help="what record saved (default: sched.data)",
+    )
     args = parser.parse_args()
     roles_file = (args.output if args.command == "record" else args.data).with_suffix(".roles.json")
     if args.command == "record":
         time.sleep(args.delay)  # the caller's choice of when to look, not synchronisation
         roles_file.write_text(json.dumps(process_roles()))
-        subprocess.run(["perf", "record", "-q", "-e", "sched:sched_switch", "-a", "-g", "-o", str(args.output), "--", "sleep", str(args.seconds)],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                "perf",
+                "record",
+                "-q",
+                "-e",
+                "sched:sched_switch",
+                "-a",
+                "-g",
+                "-o",
+                str(args.output),
+                "--",
+                "sleep",
+                str(args.seconds),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         return
     roles = {int(pid): role for pid, role in json.loads(roles_file.read_text()).items()}
-    script = subprocess.run(["perf", "script", "-i", str(args.data), "-F", "comm,pid,tid,cpu,time,event,trace,ip,sym,dso"],
-                            check=True, capture_output=True, text=True).stdout
+    script = subprocess.run(
+        ["perf", "script", "-i", str(args.data), "-F", "comm,pid,tid,cpu,time,event,trace,ip,sym,dso"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     switches, names, pids = parse(script)
     report(switches, {tid: f"{roles.get(pids.get(tid, -1), 'other')}/{name}" for tid, name in names.items()})
 
@@ -111,7 +147,11 @@ def parse(script: str) -> tuple[list[Switch], dict[int, str], dict[int, int]]:
         names[prev], names[nxt] = switch["prev_comm"], switch["next_comm"]
         pids[int(header["tid"])] = int(header["pid"])
         symbol = user[0].split(None, 1)[1] if user and len(user[0].split(None, 1)) > 1 else ""
-        switches.append(Switch(float(header["time"]), int(header["cpu"]), prev, switch["state"], nxt, re.sub(r"\s*\(.*", "", symbol)))
+        switches.append(
+            Switch(
+                float(header["time"]), int(header["cpu"]), prev, switch["state"], nxt, re.sub(r"\s*\(.*", "", symbol)
+            )
+        )
 
     for line in script.splitlines():
         if line.startswith(("\t", " " * 8)) and header is not None:
@@ -188,7 +228,9 @@ def report(switches: list[Switch], labels: dict[int, str]) -> None:
         sys.exit("no context switches recorded")
     compute = {tid for tid, label in labels.items() if label.split("/", 1)[1] in COMPUTE_THREADS}
     totals = account(switches, compute)
-    print(f"{totals.window:.2f} s on {totals.num_cpus} CPUs: {totals.window * totals.num_cpus:.2f} CPU-s\n\non CPU, by process and thread:")
+    print(
+        f"{totals.window:.2f} s on {totals.num_cpus} CPUs: {totals.window * totals.num_cpus:.2f} CPU-s\n\non CPU, by process and thread:"
+    )
     by_label: collections.Counter[str] = collections.Counter()
     for tid, seconds in totals.on_cpu.items():
         if tid != 0:

@@ -31,4 +31,4 @@ for chunk in (0, 32, 48, 64, 128, 256):
         t = time.perf_counter()
         eng.step()
         ts.append(time.perf_counter() - t)
-    print(f"chunk {chunk:4d}: step {1000*sorted(ts)[len(ts)//2]:.0f} ms (median of 6)", flush=True)
+    print(f"chunk {chunk:4d}: step {1000 * sorted(ts)[len(ts) // 2]:.0f} ms (median of 6)", flush=True)

@@ -71,15 +71,19 @@ def report(traces: list[dict[str, Any]], trim: float) -> str:
             gaps = [b[0] - a[4] for a, b in zip(steps, steps[1:])]
             parts = [("schedule", 0, 1), ("wait for turn", 1, 2), ("compute", 2, 3), ("outputs", 3, 4)]
             per_step = ", ".join(f"{label} {sum(s[j] - s[i] for s in steps) / n * 1e3:.2f}" for label, i, j in parts)
-            lines.append(f"  {sum(s[5] for s in steps) / n:.1f} tokens, {sum(s[6] for s in steps) / n:.1f} requests a step")
+            lines.append(
+                f"  {sum(s[5] for s in steps) / n:.1f} tokens, {sum(s[6] for s in steps) / n:.1f} requests a step"
+            )
             lines.append(f"  ms a step: {per_step}, between steps {sum(gaps) / max(1, len(gaps)) * 1e3:.2f}")
             lines.append(f"  compute p50 / p90 / p99: {percentiles([s[3] - s[2] for s in steps])} ms")
         turns = clip([(t[1], t[2]) for t in trace["turns"]], lo, hi)
         if turns:
             starts = sorted(a for a, _ in turns)
-            lines.append(f"  turns: {len(turns)}, held {covered(turns):.2f} s ({covered(turns) / span:.0%}), "
-                         f"each p50 / p90 / p99 {percentiles([b - a for a, b in turns])} ms, "
-                         f"start to next start {percentiles([b - a for a, b in zip(starts, starts[1:])])} ms")
+            lines.append(
+                f"  turns: {len(turns)}, held {covered(turns):.2f} s ({covered(turns) / span:.0%}), "
+                f"each p50 / p90 / p99 {percentiles([b - a for a, b in turns])} ms, "
+                f"start to next start {percentiles([b - a for a, b in zip(starts, starts[1:])])} ms"
+            )
     all_turns = [(t[1], t[2]) for trace in traces for t in trace["turns"]]
     if all_turns:
         held = covered(clip(all_turns, lo, hi))
@@ -90,7 +94,9 @@ def report(traces: list[dict[str, Any]], trim: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=pathlib.Path, help="what KVSERVICE_STEP_TRACE named")
-    parser.add_argument("--trim", type=float, default=0.25, help="share of the traced time cut from each end (default: 0.25)")
+    parser.add_argument(
+        "--trim", type=float, default=0.25, help="share of the traced time cut from each end (default: 0.25)"
+    )
     args = parser.parse_args()
     if not 0 <= args.trim < 0.5:
         parser.error("--trim must be in [0, 0.5)")

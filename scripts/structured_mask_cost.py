@@ -25,13 +25,26 @@ from kvservice.structured.matcher import GrammarMatcher, fill_next_token_bitmask
 
 _TEXT = {"type": "string", "maxLength": 40}
 PARAMS = [
-    StructuredOutputParams(json_schema=json.dumps({
-        "type": "object", "required": ["name", "age", "tags", "address"], "additionalProperties": False,
-        "properties": {"name": _TEXT, "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                       "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 5},
-                       "address": {"type": "object", "required": ["city", "zip"], "additionalProperties": False,
-                                   "properties": {"city": _TEXT, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}},
-    })),
+    StructuredOutputParams(
+        json_schema=json.dumps(
+            {
+                "type": "object",
+                "required": ["name", "age", "tags", "address"],
+                "additionalProperties": False,
+                "properties": {
+                    "name": _TEXT,
+                    "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 5},
+                    "address": {
+                        "type": "object",
+                        "required": ["city", "zip"],
+                        "additionalProperties": False,
+                        "properties": {"city": _TEXT, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    },
+                },
+            }
+        )
+    ),
     StructuredOutputParams(json_schema=json.dumps({"type": "array", "items": {"type": "number"}, "maxItems": 20})),
     StructuredOutputParams(regex=r"[A-Z][a-z]{2,12}( [a-z]{1,10}){1,8}\."),
     StructuredOutputParams(choice=("positive", "negative", "neutral")),
@@ -69,8 +82,13 @@ def measure(compiler: GrammarCompiler, batch: int, steps: int) -> None:
             if matcher.is_terminated():
                 matchers[row] = compiler.matcher(PARAMS[row % len(PARAMS)])
     totals = [f + a + c for f, a, c in zip(fills, applies, accepts)]
-    print(f"batch {batch:2d}: " + "; ".join(_percentiles(n, s) for n, s in
-                                           (("fill", fills), ("apply", applies), ("accept", accepts), ("total", totals))), flush=True)
+    print(
+        f"batch {batch:2d}: "
+        + "; ".join(
+            _percentiles(n, s) for n, s in (("fill", fills), ("apply", applies), ("accept", accepts), ("total", totals))
+        ),
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -83,7 +101,9 @@ def main() -> None:
     for params in PARAMS:
         start = time.perf_counter()
         compiler.compile(params)
-        print(f"compile {next(k for k in ('json_schema', 'regex', 'choice') if getattr(params, k))}: {1e3 * (time.perf_counter() - start):.1f} ms")
+        print(
+            f"compile {next(k for k in ('json_schema', 'regex', 'choice') if getattr(params, k))}: {1e3 * (time.perf_counter() - start):.1f} ms"
+        )
     for batch in (1, 16):
         measure(compiler, batch, steps)
 

@@ -36,7 +36,9 @@ def decode_step_times(llm: LLM, params: SamplingParams, batch_size: int, num_ste
     engine = llm.engine
     tokenizer = llm.tokenizer
     prompts = [
-        tokenizer.encode(f"<|im_start|>user\n{QUESTION.format(i=i)}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+        tokenizer.encode(
+            f"<|im_start|>user\n{QUESTION.format(i=i)}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+        )
         for i in range(batch_size)
     ]
     request_ids = [engine.add_request(p, params) for p in prompts]
@@ -49,7 +51,9 @@ def decode_step_times(llm: LLM, params: SamplingParams, batch_size: int, num_ste
             outputs = engine.step()
             elapsed = time.perf_counter() - begin
             if any(o.finished for o in outputs):
-                raise RuntimeError("a request ended before enough decode steps were timed: raise the schema's minLength")
+                raise RuntimeError(
+                    "a request ended before enough decode steps were timed: raise the schema's minLength"
+                )
             started |= {o.request_id for o in outputs if o.token_ids}
             if is_decode_step:
                 times.append(elapsed)

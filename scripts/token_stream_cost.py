@@ -47,7 +47,9 @@ class _Worker(pb_grpc.WorkerServicer):
         self.num_requests, self.num_steps, self.step_s = num_requests, num_steps, step_s
         self.queues: dict[str, asyncio.Queue[int | None]] = {}
 
-    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Decode(
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request.request_id
         queue = self.queues[request_id] = asyncio.Queue()
         if len(self.queues) == self.num_requests:
@@ -67,7 +69,10 @@ class _Worker(pb_grpc.WorkerServicer):
         while (token := await steps.get()) is not None:
             batch = pb.DecodeStreamBatch()
             for request_id in ids:
-                batch.events.add(request_id=request_id, response=pb.GenerateResponse(request_id=request_id, token_ids=[token], text="abc"))
+                batch.events.add(
+                    request_id=request_id,
+                    response=pb.GenerateResponse(request_id=request_id, token_ids=[token], text="abc"),
+                )
             yield batch
 
 
@@ -121,7 +126,9 @@ async def _client(port: int, server_pid: int, args: argparse.Namespace, batched:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=16, help="requests decoding together (default: 16)")
-    parser.add_argument("--step-ms", type=float, default=20.0, help="time from one decode step to the next (default: 20)")
+    parser.add_argument(
+        "--step-ms", type=float, default=20.0, help="time from one decode step to the next (default: 20)"
+    )
     parser.add_argument("--steps", type=int, default=400, help="steps, a token per request each (default: 400)")
     args = parser.parse_args()
     for batched in (False, True, False, True):
@@ -134,8 +141,10 @@ def main() -> None:
             server.terminate()
             server.join()
         how = "one DecodeStream, a message a step" if batched else "a Decode call per request, a message a token"
-        print(f"{how:46s}: {num_tokens} tokens; proxy side {client_s / num_tokens * 1e6:5.1f} us/token, "
-              f"decode side {server_s / num_tokens * 1e6:5.1f} us/token")
+        print(
+            f"{how:46s}: {num_tokens} tokens; proxy side {client_s / num_tokens * 1e6:5.1f} us/token, "
+            f"decode side {server_s / num_tokens * 1e6:5.1f} us/token"
+        )
 
 
 if __name__ == "__main__":

@@ -94,7 +94,8 @@ class PeerNameInterceptor(_GuardInterceptor):
         if self._names.isdisjoint(presented):
             shown = ", ".join(name.decode(errors="replace")[:64] for name in presented[:4]) or "no certificate"
             await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED, f"peer certificate ({shown}) is not one of this worker's --worker-peer-names"
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"peer certificate ({shown}) is not one of this worker's --worker-peer-names",
             )
 
 
@@ -114,7 +115,9 @@ def _checked(handler: grpc.RpcMethodHandler, check: CallCheck) -> grpc.RpcMethod
     return grpc.unary_unary_rpc_method_handler(_unary(handler.unary_unary, check), **kwargs)
 
 
-def _unary(behaviour: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], check: CallCheck) -> Callable[..., Awaitable[Any]]:
+def _unary(
+    behaviour: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], check: CallCheck
+) -> Callable[..., Awaitable[Any]]:
     async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await check(context)
         return await behaviour(request, context)
@@ -122,7 +125,9 @@ def _unary(behaviour: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
     return checked
 
 
-def _streaming(behaviour: Callable[[Any, grpc.aio.ServicerContext], Any], check: CallCheck) -> Callable[..., AsyncIterator[Any]]:
+def _streaming(
+    behaviour: Callable[[Any, grpc.aio.ServicerContext], Any], check: CallCheck
+) -> Callable[..., AsyncIterator[Any]]:
     """A response stream behind `check`; `behaviour` yields its responses or writes them itself."""
 
     async def checked(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:

@@ -21,6 +21,7 @@ from kvservice.v1 import kvservice_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+
 class ColocatedGenerationService(StreamingGenerationService):
     def __init__(self, engine: AsyncLLMEngine, role: str = "both", metrics: ServerMetrics | None = None) -> None:
         self.engine = engine

@@ -21,7 +21,9 @@ DEFAULT_MAX_TOKENS = 16
 def check_stop_token_ids_count(sp: pb.SamplingParams) -> None:
     """Counted before anything converts or copies them: a million ids would stall the event loop."""
     if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise ValueError(f"sampling_params.stop_token_ids: {len(sp.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS} are allowed")
+        raise ValueError(
+            f"sampling_params.stop_token_ids: {len(sp.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS} are allowed"
+        )
 
 
 def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
@@ -39,7 +41,9 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
             stop=tuple(sp.stop),
             logprobs=sp.logprobs if sp.HasField("logprobs") else None,
             prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
-            structured_output=structured_output_from_proto(sp.structured_output) if sp.HasField("structured_output") else None,
+            structured_output=structured_output_from_proto(sp.structured_output)
+            if sp.HasField("structured_output")
+            else None,
             n=sp.n if sp.HasField("n") else 1,
         )
     except ValueError as e:
@@ -88,7 +92,9 @@ def prompt_from_proto(request: pb.GenerateRequest, max_model_len: int) -> Prompt
     prompt = _base_prompt(request, max_model_len)
     if request.resume_token_ids:
         if len(request.resume_token_ids) >= max_model_len:
-            raise ValueError(f"resume_token_ids: {len(request.resume_token_ids)} tokens, but the model's maximum length is {max_model_len}")
+            raise ValueError(
+                f"resume_token_ids: {len(request.resume_token_ids)} tokens, but the model's maximum length is {max_model_len}"
+            )
         return ResumedPrompt(prompt, list(request.resume_token_ids))
     return prompt
 

@@ -55,7 +55,10 @@ def check_kv_peer(address: str, kv_peers: frozenset[str] | None) -> None:
 
 class DecodeWorkerService(EngineWorkerService):
     def __init__(
-        self, engine: AsyncLLMEngine, metrics: ServerMetrics | None = None, kv_peers: frozenset[str] | None = None,
+        self,
+        engine: AsyncLLMEngine,
+        metrics: ServerMetrics | None = None,
+        kv_peers: frozenset[str] | None = None,
         kv_events: KVEventPublisher | None = None,
     ) -> None:
         """`kv_peers`: the prefill workers KV may be pulled from; None: any that a request names."""
@@ -65,7 +68,9 @@ class DecodeWorkerService(EngineWorkerService):
         self.is_draining = False
         self._outboxes: set[_Outbox] = set()  # one per open DecodeStream
 
-    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Decode(
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             async for response in self._responses(request):
                 yield response

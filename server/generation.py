@@ -98,7 +98,9 @@ class StreamingGenerationService(pb_grpc.GenerationServicer):
     def responses(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         raise NotImplementedError
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             async for response in self.responses(request):
                 yield response

@@ -122,12 +122,10 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 def add_log_level_argument(parser: argparse.ArgumentParser) -> None:
     """`--log-level`, in any case (`info` is `INFO`)."""
-    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="WARNING", help="logging level (default: WARNING)")
-
-
-def configure_logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    parser.add_argument(
+        "--log-level", type=str.upper, choices=LOG_LEVELS, default="WARNING", help="logging level (default: WARNING)"
     )
 
 
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

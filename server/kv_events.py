@@ -46,8 +46,12 @@ class _Subscriber:
 
 class KVEventPublisher:
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, block_size: int, hash_seed: int,
-        ring_size: int = DEFAULT_RING_SIZE, max_pending: int = DEFAULT_MAX_PENDING,
+        self,
+        loop: asyncio.AbstractEventLoop,
+        block_size: int,
+        hash_seed: int,
+        ring_size: int = DEFAULT_RING_SIZE,
+        max_pending: int = DEFAULT_MAX_PENDING,
     ) -> None:
         if ring_size < 1 or max_pending < 1:
             raise ValueError(f"ring_size and max_pending must be >= 1, got {ring_size}, {max_pending}")
@@ -77,8 +81,11 @@ class KVEventPublisher:
 
     def _batch(self, seq: int, events: list[KVCacheEvent], is_snapshot: bool) -> pb.KVEventBatch:
         return pb.KVEventBatch(
-            seq=seq, is_snapshot=is_snapshot, events=[kv_event_to_proto(e) for e in events],
-            block_size=self.block_size, hash_seed=self.hash_seed,
+            seq=seq,
+            is_snapshot=is_snapshot,
+            events=[kv_event_to_proto(e) for e in events],
+            block_size=self.block_size,
+            hash_seed=self.hash_seed,
         )
 
     # ------------------------------------------------------------ the event loop

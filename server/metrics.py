@@ -38,9 +38,74 @@ from kvservice.server.errors import status_for
 from kvservice.v1 import kvservice_pb2 as pb
 
 # vLLM's buckets, with finer steps at the low end for the tiny model.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 80.0)
-E2EL_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+TPOT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    80.0,
+)
+E2EL_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+)
 SNAPSHOT_TIMEOUT_S = 5.0
 
 StatsSource = Callable[[], Awaitable[pb.StatsResponse]]
@@ -54,25 +119,38 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "kvservice_requests", "Requests served, by outcome: ok, cancelled, or the gRPC status code in lower case",
-            ["outcome"], registry=r,
+            "kvservice_requests",
+            "Requests served, by outcome: ok, cancelled, or the gRPC status code in lower case",
+            ["outcome"],
+            registry=r,
         )
         self.time_to_first_token = Histogram(
-            "kvservice_time_to_first_token_seconds", "Seconds from a request's arrival to its first token", buckets=TTFT_BUCKETS, registry=r
+            "kvservice_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
         )
         self.time_to_second_token = Histogram(
-            "kvservice_time_to_second_token_seconds", "Seconds from a request's arrival to its second token", buckets=TTFT_BUCKETS, registry=r
+            "kvservice_time_to_second_token_seconds",
+            "Seconds from a request's arrival to its second token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
         )
         self.time_per_output_token = Histogram(
-            "kvservice_time_per_output_token_seconds", "Per finished request with 2+ tokens: (last token - first token) / (tokens - 1)",
-            buckets=TPOT_BUCKETS, registry=r,
+            "kvservice_time_per_output_token_seconds",
+            "Per finished request with 2+ tokens: (last token - first token) / (tokens - 1)",
+            buckets=TPOT_BUCKETS,
+            registry=r,
         )
         self.e2e_request_latency = Histogram(
-            "kvservice_e2e_request_latency_seconds", "Seconds from a request's arrival to its last token (finished requests)",
-            buckets=E2EL_BUCKETS, registry=r,
+            "kvservice_e2e_request_latency_seconds",
+            "Seconds from a request's arrival to its last token (finished requests)",
+            buckets=E2EL_BUCKETS,
+            registry=r,
         )
         self.spec_acceptance_rate = Gauge(
-            "kvservice_spec_acceptance_rate", "Speculative decoding: accepted / proposed draft tokens (0 without speculative decoding)",
+            "kvservice_spec_acceptance_rate",
+            "Speculative decoding: accepted / proposed draft tokens (0 without speculative decoding)",
             registry=r,
         )
         # The proxy has no engine: its running requests are the client requests in flight.
@@ -86,16 +164,29 @@ class ServerMetrics:
         if role == "proxy":
             self.num_requests_running = Gauge("kvservice_num_requests_running", "Client requests in flight", registry=r)
             self.requests_prefilled = Counter(
-                "kvservice_requests_prefilled", "Routed requests by where their prompt was prefilled: "
+                "kvservice_requests_prefilled",
+                "Routed requests by where their prompt was prefilled: "
                 "prefill_worker (its KV pulled by the decode worker) or decode_worker (locally: a short uncached part, "
-                "no prefill worker reachable, or a migrated stream)", ["where"], registry=r,
+                "no prefill worker reachable, or a migrated stream)",
+                ["where"],
+                registry=r,
             )
-            self.workers_healthy = Gauge("kvservice_workers_healthy", "Workers whose health check passes, by role", ["role"], registry=r)
-            self.workers = Gauge("kvservice_workers", "Workers by role and membership state (joining, serving, not_serving, leaving)",
-                                 ["role", "state"], registry=r)
+            self.workers_healthy = Gauge(
+                "kvservice_workers_healthy", "Workers whose health check passes, by role", ["role"], registry=r
+            )
+            self.workers = Gauge(
+                "kvservice_workers",
+                "Workers by role and membership state (joining, serving, not_serving, leaving)",
+                ["role", "state"],
+                registry=r,
+            )
             # Counters in meaning, read from the pools when scraped (hence gauges with set_function).
-            self.worker_joins = Gauge("kvservice_worker_joins", "Discovered workers that joined, by role", ["role"], registry=r)
-            self.worker_leaves = Gauge("kvservice_worker_leaves", "Workers dropped after leaving DNS, by role", ["role"], registry=r)
+            self.worker_joins = Gauge(
+                "kvservice_worker_joins", "Discovered workers that joined, by role", ["role"], registry=r
+            )
+            self.worker_leaves = Gauge(
+                "kvservice_worker_leaves", "Workers dropped after leaving DNS, by role", ["role"], registry=r
+            )
         else:
             self.engine = EngineCollector()
             r.register(self.engine)
@@ -154,9 +245,13 @@ class RequestTracker:
             m.e2e_request_latency.observe(now - self.start)
             if self.num_tokens > 1:
                 m.time_per_output_token.observe((now - self.first_token_time) / (self.num_tokens - 1))
-            self.logger.info("request_id=%s finished: %d tokens in %.3f s", self.request_id, self.num_tokens, now - self.start)
+            self.logger.info(
+                "request_id=%s finished: %d tokens in %.3f s", self.request_id, self.num_tokens, now - self.start
+            )
         else:
-            self.logger.info("request_id=%s ended: %s (%s) after %d tokens", self.request_id, outcome, error, self.num_tokens)
+            self.logger.info(
+                "request_id=%s ended: %s (%s) after %d tokens", self.request_id, outcome, error, self.num_tokens
+            )
 
 
 def outcome_of(error: BaseException | None) -> str:
@@ -177,21 +272,40 @@ class EngineCollector(Collector):
         s = self.snapshot
         if s is None:
             return
-        yield GaugeMetricFamily("kvservice_num_requests_running", "Requests in the engine's running batch", value=s.num_running_requests)
-        yield GaugeMetricFamily("kvservice_num_requests_waiting", "Requests queued for admission", value=s.num_waiting_requests)
         yield GaugeMetricFamily(
-            "kvservice_num_requests_waiting_for_remote_kv", "Decode: requests whose prompt KV is being pulled", value=s.num_waiting_for_remote_kv
+            "kvservice_num_requests_running", "Requests in the engine's running batch", value=s.num_running_requests
         )
-        yield GaugeMetricFamily("kvservice_kv_blocks_used", "KV cache blocks in use", value=s.num_blocks_total - s.num_blocks_free)
+        yield GaugeMetricFamily(
+            "kvservice_num_requests_waiting", "Requests queued for admission", value=s.num_waiting_requests
+        )
+        yield GaugeMetricFamily(
+            "kvservice_num_requests_waiting_for_remote_kv",
+            "Decode: requests whose prompt KV is being pulled",
+            value=s.num_waiting_for_remote_kv,
+        )
+        yield GaugeMetricFamily(
+            "kvservice_kv_blocks_used", "KV cache blocks in use", value=s.num_blocks_total - s.num_blocks_free
+        )
         yield GaugeMetricFamily("kvservice_kv_blocks_free", "KV cache blocks free", value=s.num_blocks_free)
-        transfers = CounterMetricFamily("kvservice_kv_transfers", "KV transfers, by direction (send: prefill, recv: decode)", labels=["direction"])
-        failures = CounterMetricFamily("kvservice_kv_transfer_failures", "KV transfers that failed, by direction", labels=["direction"])
-        num_bytes = CounterMetricFamily("kvservice_kv_transfer_bytes", "KV payload bytes transferred, by direction", labels=["direction"])
+        transfers = CounterMetricFamily(
+            "kvservice_kv_transfers", "KV transfers, by direction (send: prefill, recv: decode)", labels=["direction"]
+        )
+        failures = CounterMetricFamily(
+            "kvservice_kv_transfer_failures", "KV transfers that failed, by direction", labels=["direction"]
+        )
+        num_bytes = CounterMetricFamily(
+            "kvservice_kv_transfer_bytes", "KV payload bytes transferred, by direction", labels=["direction"]
+        )
         shared = CounterMetricFamily(
-            "kvservice_kv_transfer_shared_memory_bytes", "Of the KV payload bytes, those through a same-host shared-memory segment, by direction",
+            "kvservice_kv_transfer_shared_memory_bytes",
+            "Of the KV payload bytes, those through a same-host shared-memory segment, by direction",
             labels=["direction"],
         )
-        seconds = CounterMetricFamily("kvservice_kv_transfer_seconds", "Seconds spent in KV transfers (summed over transfers), by direction", labels=["direction"])
+        seconds = CounterMetricFamily(
+            "kvservice_kv_transfer_seconds",
+            "Seconds spent in KV transfers (summed over transfers), by direction",
+            labels=["direction"],
+        )
         for direction, t in (("send", s.kv_sending), ("recv", s.kv_receiving)):
             transfers.add_metric([direction], t.num_transfers)
             failures.add_metric([direction], t.num_failed_transfers)
@@ -199,21 +313,39 @@ class EngineCollector(Collector):
             shared.add_metric([direction], t.num_shared_memory_bytes)
             seconds.add_metric([direction], t.total_seconds)
         yield from (transfers, failures, num_bytes, shared, seconds)
-        yield CounterMetricFamily("kvservice_prefix_cache_queries", "Prefix cache: prompt tokens looked up", value=s.prefix_cache.queries)
-        yield CounterMetricFamily("kvservice_prefix_cache_hits", "Prefix cache: prompt tokens found cached", value=s.prefix_cache.hits)
+        yield CounterMetricFamily(
+            "kvservice_prefix_cache_queries", "Prefix cache: prompt tokens looked up", value=s.prefix_cache.queries
+        )
+        yield CounterMetricFamily(
+            "kvservice_prefix_cache_hits", "Prefix cache: prompt tokens found cached", value=s.prefix_cache.hits
+        )
         spec = s.spec_decode
-        yield CounterMetricFamily("kvservice_spec_draft_tokens", "Speculative decoding: draft tokens proposed", value=spec.num_draft_tokens)
-        yield CounterMetricFamily("kvservice_spec_accepted_tokens", "Speculative decoding: draft tokens accepted", value=spec.num_accepted_tokens)
-        yield GaugeMetricFamily("kvservice_kv_staging_bytes", "Prefill: bytes of the KV staging pool in use", value=s.kv_sending.staging_bytes_in_use)
+        yield CounterMetricFamily(
+            "kvservice_spec_draft_tokens", "Speculative decoding: draft tokens proposed", value=spec.num_draft_tokens
+        )
+        yield CounterMetricFamily(
+            "kvservice_spec_accepted_tokens",
+            "Speculative decoding: draft tokens accepted",
+            value=spec.num_accepted_tokens,
+        )
         yield GaugeMetricFamily(
-            "kvservice_kv_staging_capacity_bytes", "Prefill: the KV staging pool's bound", value=s.kv_sending.staging_bytes_capacity
+            "kvservice_kv_staging_bytes",
+            "Prefill: bytes of the KV staging pool in use",
+            value=s.kv_sending.staging_bytes_in_use,
+        )
+        yield GaugeMetricFamily(
+            "kvservice_kv_staging_capacity_bytes",
+            "Prefill: the KV staging pool's bound",
+            value=s.kv_sending.staging_bytes_capacity,
         )
 
 
 # ---------------------------------------------------------------- HTTP
 
 
-def metrics_handler(metrics: ServerMetrics, stats: StatsSource | None) -> Callable[[web.Request], Awaitable[web.Response]]:
+def metrics_handler(
+    metrics: ServerMetrics, stats: StatsSource | None
+) -> Callable[[web.Request], Awaitable[web.Response]]:
     """`GET /metrics`: refresh the engine snapshot (when there is an engine), then export."""
 
     async def handle(request: web.Request) -> web.Response:

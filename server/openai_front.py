@@ -121,8 +121,14 @@ class OpenAIFront:
     async def models(self, request: web.Request) -> web.Response:
         if not self._is_authorized(request):
             return _unauthorized()
-        model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvservice",
-                 "root": self.model_name, "max_model_len": self.max_model_len}
+        model = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kvservice",
+            "root": self.model_name,
+            "max_model_len": self.max_model_len,
+        }
         return web.json_response({"object": "list", "data": [model]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -147,7 +153,9 @@ class OpenAIFront:
     async def detokenize(self, request: web.Request) -> web.Response:
         def run(body: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
             tokens = body.get("tokens")
-            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+            if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+            ):
                 raise ValueError("tokens: expected a list of token ids")
             return {"prompt": tokenizer.decode(tokens)}
 
@@ -186,7 +194,9 @@ class OpenAIFront:
         try:
             parsed = parse(await _json_body(request), request_id, self.model_name)
             if parsed.echo and not isinstance(parsed.prompt, str) and self.tokenizer is None:
-                raise OpenAIError(400, "echo: a prompt of token ids needs a tokenizer here (start the proxy with --model)", "echo")
+                raise OpenAIError(
+                    400, "echo: a prompt of token ids needs a tokenizer here (start the proxy with --model)", "echo"
+                )
         except Exception as e:
             return error_response(e, headers)
         kind = _ChatShape(parsed, self.token_texts) if is_chat else _CompletionShape(parsed, self.token_texts)
@@ -206,7 +216,11 @@ class OpenAIFront:
         return await self._complete(headers, meta, kind, first, responses)
 
     async def _complete(
-        self, headers: dict[str, str], meta: dict[str, Any], kind: _Shape, first: pb.GenerateResponse | None,
+        self,
+        headers: dict[str, str],
+        meta: dict[str, Any],
+        kind: _Shape,
+        first: pb.GenerateResponse | None,
         responses: AsyncIterator[pb.GenerateResponse],
     ) -> web.Response:
         gathered = CompleteResponses()
@@ -224,10 +238,18 @@ class OpenAIFront:
         return web.json_response(body, headers=headers)
 
     async def _stream(
-        self, request: web.Request, headers: dict[str, str], meta: dict[str, Any], kind: _Shape,
-        first: pb.GenerateResponse | None, responses: AsyncIterator[pb.GenerateResponse], include_usage: bool,
+        self,
+        request: web.Request,
+        headers: dict[str, str],
+        meta: dict[str, Any],
+        kind: _Shape,
+        first: pb.GenerateResponse | None,
+        responses: AsyncIterator[pb.GenerateResponse],
+        include_usage: bool,
     ) -> web.StreamResponse:
-        response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response = web.StreamResponse(
+            headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await response.prepare(request)
         meta = {**meta, "object": kind.chunk_object_name}
         totals = CompleteResponses()
@@ -309,7 +331,13 @@ class _CompletionShape(_Shape):
             logprobs += chunk.logprobs
         body = self.logprobs[chunk.index].build(logprob_ids, logprobs) if self.parsed.wants_logprobs else None
         finish_reason = finish_reason_from_proto(chunk.finish_reason)
-        return {"index": chunk.index, "text": text, "logprobs": body, "finish_reason": finish_reason, "token_ids": token_ids}
+        return {
+            "index": chunk.index,
+            "text": text,
+            "logprobs": body,
+            "finish_reason": finish_reason,
+            "token_ids": token_ids,
+        }
 
     def _prompt_text(self) -> str:
         prompt = self.parsed.prompt
@@ -324,8 +352,10 @@ class _ChatShape(_Shape):
     id_prefix, object_name, chunk_object_name = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
     def opening_choices(self) -> list[dict[str, Any]]:
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in range(self.num_sequences)]
+        return [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(self.num_sequences)
+        ]
 
     def whole_choice(self, result: pb.CompleteResponse) -> dict[str, Any]:
         message = {"role": "assistant", "content": result.text}
@@ -337,7 +367,11 @@ class _ChatShape(_Shape):
 
     def _rest(self, chunk: Chunk) -> dict[str, Any]:
         logprobs = chat_logprobs(self.texts, list(chunk.logprobs)) if self.parsed.wants_logprobs else None
-        return {"logprobs": logprobs, "finish_reason": finish_reason_from_proto(chunk.finish_reason), "token_ids": list(chunk.token_ids)}
+        return {
+            "logprobs": logprobs,
+            "finish_reason": finish_reason_from_proto(chunk.finish_reason),
+            "token_ids": list(chunk.token_ids),
+        }
 
 
 # ---------------------------------------------------------------- helpers
@@ -353,8 +387,14 @@ async def _json_body(request: web.Request) -> Any:
 
 
 def _unauthorized() -> web.Response:
-    body = {"error": {"message": "missing or wrong bearer token", "type": "invalid_request_error",
-                      "param": None, "code": "invalid_api_key"}}
+    body = {
+        "error": {
+            "message": "missing or wrong bearer token",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
     return web.json_response(body, status=401)
 
 

@@ -81,5 +81,9 @@ def chat_logprobs(texts: TokenTexts, logprobs: list[pb.Logprobs]) -> dict[str, l
         text = texts(token_id)
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
-    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
-                        for lp in logprobs]}
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
+            for lp in logprobs
+        ]
+    }

@@ -35,8 +35,13 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 429: "rate_limit_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
 
 
 class OpenAIError(Exception):
@@ -70,15 +75,40 @@ class ParsedRequest:
 # The fields each endpoint understands. Anything else is refused with a 400 that names it:
 # a parameter silently ignored (a penalty, a logit bias) would give the caller output it
 # did not ask for.
-_SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                    "ignore_eos", "stream", "stream_options", "n", "user", "structured_outputs"}
+_SAMPLING_FIELDS = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "structured_outputs",
+}
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "best_of", "echo", "suffix", "logprobs"}
-CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice", "response_format",
-                                  "logprobs", "top_logprobs", "add_generation_prompt"}
+CHAT_FIELDS = _SAMPLING_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "add_generation_prompt",
+}
 # Accepted when they ask for nothing (the neutral value some clients always send).
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},), "parallel_tool_calls": (False, True),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "parallel_tool_calls": (False, True),
 }
 
 
@@ -140,12 +170,16 @@ def parse_chat_request(body: Any, request_id: str, model_name: str) -> ParsedReq
 def _checked_body(body: Any, fields: set[str], model_name: str) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ValueError("request body: expected a JSON object")
-    unknown = sorted(k for k in body if k not in fields and not (k in _NEUTRAL_VALUES and body[k] in _NEUTRAL_VALUES[k]))
+    unknown = sorted(
+        k for k in body if k not in fields and not (k in _NEUTRAL_VALUES and body[k] in _NEUTRAL_VALUES[k])
+    )
     if unknown:
         raise OpenAIError(400, f"unsupported field(s): {', '.join(unknown)}", unknown[0], "unsupported_field")
     model = body.get("model")
     if model is not None and model != model_name:
-        raise OpenAIError(404, f"The model `{model}` does not exist (this server serves `{model_name}`)", "model", "model_not_found")
+        raise OpenAIError(
+            404, f"The model `{model}` does not exist (this server serves `{model_name}`)", "model", "model_not_found"
+        )
     return body
 
 
@@ -248,8 +282,11 @@ def usage(result: pb.CompleteResponse) -> dict[str, Any]:
     """Token counts; `prompt_tokens_details.cached_tokens`: the prompt tokens the worker that
     prefilled found in its prefix cache (not computed for this request)."""
     completion = sum(len(sequence.token_ids) for sequence in (result.sequences or [result]))
-    body: dict[str, Any] = {"prompt_tokens": result.num_prompt_tokens, "completion_tokens": completion,
-                            "total_tokens": result.num_prompt_tokens + completion}
+    body: dict[str, Any] = {
+        "prompt_tokens": result.num_prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": result.num_prompt_tokens + completion,
+    }
     if result.HasField("num_cached_tokens"):
         body["prompt_tokens_details"] = {"cached_tokens": result.num_cached_tokens}
     return body

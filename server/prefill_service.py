@@ -34,8 +34,13 @@ logger = logging.getLogger(__name__)
 
 class PrefillWorkerService(EngineWorkerService):
     def __init__(
-        self, engine: AsyncLLMEngine, registry: TransferRegistry, staging_wait_seconds: float = 10.0, metrics: ServerMetrics | None = None,
-        kv_events: KVEventPublisher | None = None, kv_sending: KVTransferCounters | None = None,
+        self,
+        engine: AsyncLLMEngine,
+        registry: TransferRegistry,
+        staging_wait_seconds: float = 10.0,
+        metrics: ServerMetrics | None = None,
+        kv_events: KVEventPublisher | None = None,
+        kv_sending: KVTransferCounters | None = None,
     ) -> None:
         super().__init__(engine, "prefill", kv_events, kv_sending)
         self.registry = registry
@@ -81,7 +86,9 @@ class PrefillWorkerService(EngineWorkerService):
                 tracker.on_tokens(len(last.token_ids))
                 completed = True
             first = last.token_ids[0]
-            text, finish_reason = first_token_output(first, params, self.engine.engine.eos_token_ids, self.engine.engine.tokenizer)
+            text, finish_reason = first_token_output(
+                first, params, self.engine.engine.eos_token_ids, self.engine.engine.tokenizer
+            )
             response = pb.PrefillResponse(
                 request_id=inner.request_id,
                 first_token_id=first,

@@ -54,44 +54,86 @@ ROLES = ("prefill", "decode", "both")
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The worker's flags; the `EngineConfig` knobs come from `kvservice.runtime.engine_args` (shared with `launch`)."""
-    parser.add_argument("--model", default="tiny", help="'tiny' (built in, random weights), 'smollm2' (SmolLM2-135M-Instruct, installed by make setup), a Hugging Face model directory or a GGUF file (default: tiny)")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny' (built in, random weights), 'smollm2' (SmolLM2-135M-Instruct, installed by make setup), a Hugging Face model directory or a GGUF file (default: tiny)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     engine_args.add_engine_arguments(parser)
-    parser.add_argument("--kv-lease-seconds", type=float, default=30.0, help="prefill side: staged KV not pulled within this is freed (default: 30)")
-    parser.add_argument("--kv-staging-mib", type=int, default=256, help="prefill side: staging pool bound (default: 256)")
-    parser.add_argument("--kv-transfer-timeout", type=float, default=120.0, help="decode side: deadline of one KV pull, seconds (default: 120)")
     parser.add_argument(
-        "--kv-transfer-shm", action="store_true",
+        "--kv-lease-seconds",
+        type=float,
+        default=30.0,
+        help="prefill side: staged KV not pulled within this is freed (default: 30)",
+    )
+    parser.add_argument(
+        "--kv-staging-mib", type=int, default=256, help="prefill side: staging pool bound (default: 256)"
+    )
+    parser.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=120.0,
+        help="decode side: deadline of one KV pull, seconds (default: 120)",
+    )
+    parser.add_argument(
+        "--kv-transfer-shm",
+        action="store_true",
         help="decode side: offer each prefill worker a shared-memory segment in /dev/shm for the KV bytes (8 MiB, "
         "reused by later pulls from that worker); a prefill worker on the same host (same /dev/shm, same user) writes "
         "them there and streams only chunk headers, any other streams the bytes over gRPC as usual (default: off; "
         "`kvservice launch` turns it on)",
     )
     parser.add_argument(
-        "--max-queued-requests", type=int, default=1024,
+        "--max-queued-requests",
+        type=int,
+        default=1024,
         help="admission control: requests not yet running (incl. waiting for remote KV) past which new ones get RESOURCE_EXHAUSTED (default: 1024)",
     )
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument(
-        "--core-lease", metavar="FILE", default=None,
+        "--core-lease",
+        metavar="FILE",
+        default=None,
         help="take turns on the cores with the other workers given the same FILE (on this host, the same cores): a decode "
         "step gets all of them as soon as it starts, a prefill step hands them over between its matmuls so decode steps "
         "start about --step-target-ms apart, or three decode steps apart where those are slower; two workers that "
         "compute on the same cores at once stall each other (`kvservice launch` gives one to its workers; a --device cuda "
         "worker ignores it; default: off)",
     )
-    parser.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default: 30)")
+    parser.add_argument(
+        "--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default: 30)"
+    )
     add_log_level_argument(parser)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--role", required=True, choices=ROLES, help="prefill, decode, or both (colocated, no KV transfer)")
-    parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 lets the OS pick (default: 0)")
-    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 lets the OS pick (default: off)")
-    parser.add_argument("--http-port", type=int, default=None, help="--role both: serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...) on this port; 0 lets the OS pick (default: off)")
-    parser.add_argument("--served-model-name", default=None, help="the model name the HTTP API answers to (default: the model's own: a GGUF file's general.name, a directory's name)")
     parser.add_argument(
-        "--kv-peers", nargs="+", default=None, metavar="HOST:PORT",
+        "--role", required=True, choices=ROLES, help="prefill, decode, or both (colocated, no KV transfer)"
+    )
+    parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 lets the OS pick (default: 0)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 lets the OS pick (default: off)",
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="--role both: serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...) on this port; 0 lets the OS pick (default: off)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name the HTTP API answers to (default: the model's own: a GGUF file's general.name, a directory's name)",
+    )
+    parser.add_argument(
+        "--kv-peers",
+        nargs="+",
+        default=None,
+        metavar="HOST:PORT",
         help="decode side: the only prefill workers KV may be pulled from (default: any a request names; "
         "with --auth-token only authenticated requests name one); '-': read them from the first line of stdin "
         "once the model has loaded (how `kvservice launch` starts decode workers while its prefill workers still load)",
@@ -122,12 +164,16 @@ def main(args: argparse.Namespace) -> int:
         if args.max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
         if args.http_port is not None and args.role != "both":
-            raise ValueError("--http-port: only a colocated worker (--role both) serves the HTTP API; for a prefill/decode pair, give it to the proxy")
+            raise ValueError(
+                "--http-port: only a colocated worker (--role both) serves the HTTP API; for a prefill/decode pair, give it to the proxy"
+            )
         tls = TLSFiles.from_args(args)
         tls.server_credentials()  # unreadable files fail here, before the model loads
         check_worker_peer_names(args.worker_peer_names, tls)
         if args.worker_peer_names is not None and args.role == "both":
-            raise ValueError("--worker-peer-names: a colocated worker serves clients; it is for prefill and decode workers")
+            raise ValueError(
+                "--worker-peer-names: a colocated worker serves clients; it is for prefill and decode workers"
+            )
     except (ModelLoadError, ValueError) as e:
         print(f"kvservice serve: error: {e}", file=sys.stderr)
         return 2
@@ -158,12 +204,19 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
     registry: TransferRegistry | None = None
     connector: KVConnectorBase | None = None
     if args.role == "prefill":
-        registry = TransferRegistry(StagingPool(args.kv_staging_mib << 20, pin_memory=config.device.startswith("cuda")), layout, args.kv_lease_seconds)
+        registry = TransferRegistry(
+            StagingPool(args.kv_staging_mib << 20, pin_memory=config.device.startswith("cuda")),
+            layout,
+            args.kv_lease_seconds,
+        )
         connector = PrefillKVConnector(registry)
     elif args.role == "decode":
         connector = DecodeKVConnector(
-            layout, transfer_timeout=args.kv_transfer_timeout, channel_credentials=tls.channel_credentials(),
-            auth_token=args.auth_token, use_shared_memory=args.kv_transfer_shm,
+            layout,
+            transfer_timeout=args.kv_transfer_timeout,
+            channel_credentials=tls.channel_credentials(),
+            auth_token=args.auth_token,
+            use_shared_memory=args.kv_transfer_shm,
         )
     core_lease = None
     if args.core_lease is not None and config.device == "cpu":  # what a GPU worker shares is not its cores
@@ -174,7 +227,9 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
     engine = await asyncio.to_thread(LLMEngine, args.model, config, connector, core_lease)
     kv_peers = await reading_kv_peers
     kv_events = KVEventPublisher(asyncio.get_running_loop(), config.block_size, engine.kv_hash_seed)
-    async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_queued_requests, kv_events_sink=kv_events.publish)
+    async_engine = AsyncLLMEngine(
+        engine, max_queued_requests=args.max_queued_requests, kv_events_sink=kv_events.publish
+    )
     if isinstance(connector, DecodeKVConnector):
         connector.on_load_done = async_engine.wake
     async_engine.start()
@@ -188,7 +243,9 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
     credentials = tls.server_credentials()
     generation: ColocatedGenerationService | None = None
     # Every role checks the bearer token on every RPC but health; workers can also check the peer's certificate.
-    interceptors: list[grpc.aio.ServerInterceptor] = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
+    interceptors: list[grpc.aio.ServerInterceptor] = (
+        [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
+    )
     if args.worker_peer_names is not None:
         interceptors.append(PeerNameInterceptor(args.worker_peer_names))
     if args.role == "both":
@@ -215,8 +272,12 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
     runners = []
     if generation is not None and args.http_port is not None:
         front = OpenAIFront(
-            generation, args.served_model_name or engine.loaded.name, lambda: async_engine.is_alive, args.auth_token,
-            engine.tokenizer, engine.max_model_len,
+            generation,
+            args.served_model_name or engine.loaded.name,
+            lambda: async_engine.is_alive,
+            args.auth_token,
+            engine.tokenizer,
+            engine.max_model_len,
         )
         runner, http_port = await start_http(
             front.app(), args.host, args.http_port, shutdown_timeout=args.grace_period, ssl_context=tls.ssl_context()
@@ -224,7 +285,9 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         runners.append(runner)
         ready_line += f"; http on {args.host}:{http_port}"
     if args.metrics_port is not None:
-        metrics_runner, metrics_port = await start_http(metrics_app(metrics, worker_service.stats), args.host, args.metrics_port)
+        metrics_runner, metrics_port = await start_http(
+            metrics_app(metrics, worker_service.stats), args.host, args.metrics_port
+        )
         runners.append(metrics_runner)
         ready_line += f"; metrics on {args.host}:{metrics_port}"
 

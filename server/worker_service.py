@@ -22,7 +22,11 @@ from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 class EngineWorkerService(pb_grpc.WorkerServicer):
     def __init__(
-        self, engine: AsyncLLMEngine, role: str, kv_events: KVEventPublisher | None = None, kv_sending: KVTransferCounters | None = None
+        self,
+        engine: AsyncLLMEngine,
+        role: str,
+        kv_events: KVEventPublisher | None = None,
+        kv_sending: KVTransferCounters | None = None,
     ) -> None:
         """`kv_events`: the publisher fed by `engine`'s step thread; None: SubscribeKVEvents is UNIMPLEMENTED.
         `kv_sending`: a prefill worker's PullKV counters (they live in its KVTransferService, not the engine)."""
@@ -41,7 +45,9 @@ class EngineWorkerService(pb_grpc.WorkerServicer):
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return await self.stats()
 
-    async def SubscribeKVEvents(self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KVEventBatch]:
+    async def SubscribeKVEvents(
+        self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KVEventBatch]:
         publisher = self.kv_events
         if publisher is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker does not publish KV cache events")

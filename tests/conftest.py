@@ -112,7 +112,9 @@ async def all_worker_stats(addresses: Sequence[str]) -> dict[str, pb.StatsRespon
     return dict(zip(addresses, stats))
 
 
-async def wait_for(condition: Callable[[], Awaitable[T | None]], what: str, timeout: float = DEFAULT_IDLE_DEADLINE) -> T:
+async def wait_for(
+    condition: Callable[[], Awaitable[T | None]], what: str, timeout: float = DEFAULT_IDLE_DEADLINE
+) -> T:
     """Re-evaluate the async `condition` until it returns something truthy, or fail after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
@@ -136,7 +138,9 @@ def is_idle(stats: pb.StatsResponse) -> bool:
 
 
 async def wait_for_stats(
-    addresses: Sequence[str], condition: Callable[[dict[str, pb.StatsResponse]], bool], what: str,
+    addresses: Sequence[str],
+    condition: Callable[[dict[str, pb.StatsResponse]], bool],
+    what: str,
     timeout: float = DEFAULT_IDLE_DEADLINE,
 ) -> dict[str, pb.StatsResponse]:
     """Re-poll the servers' Stats until `condition` holds for them; the last Stats in the failure message."""
@@ -154,9 +158,13 @@ async def wait_for_stats(
     return last
 
 
-async def wait_until_idle(addresses: Sequence[str], timeout: float = DEFAULT_IDLE_DEADLINE) -> dict[str, pb.StatsResponse]:
+async def wait_until_idle(
+    addresses: Sequence[str], timeout: float = DEFAULT_IDLE_DEADLINE
+) -> dict[str, pb.StatsResponse]:
     """Every server in `addresses` idle (see `is_idle`)."""
-    return await wait_for_stats(addresses, lambda stats: all(map(is_idle, stats.values())), "idle (all blocks free, staging empty)", timeout)
+    return await wait_for_stats(
+        addresses, lambda stats: all(map(is_idle, stats.values())), "idle (all blocks free, staging empty)", timeout
+    )
 
 
 @contextlib.asynccontextmanager
@@ -224,24 +232,44 @@ async def drain(call: AsyncIterator[object]) -> None:
         pass
 
 
-def worker_calls(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] | None = None) -> dict[str, Callable[[], Awaitable[object]]]:
+def worker_calls(
+    channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] | None = None
+) -> dict[str, Callable[[], Awaitable[object]]]:
     """Every RPC a worker serves besides health, each with harmless arguments."""
     worker = pb_grpc.WorkerStub(channel)
-    request = pb.GenerateRequest(request_id="hostile-1", token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling_params=pb.SamplingParams(max_tokens=2))
-    pull = channel.unary_stream(PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=bytes)
+    request = pb.GenerateRequest(
+        request_id="hostile-1", token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling_params=pb.SamplingParams(max_tokens=2)
+    )
+    pull = channel.unary_stream(
+        PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=bytes
+    )
     reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
     return {
-        "Prefill": lambda: worker.Prefill(pb.PrefillRequest(request=request, transfer_token=b"t" * 32), timeout=10, metadata=metadata),
-        "Decode": lambda: drain(worker.Decode(
-            pb.DecodeRequest(request=request, kv_transfer_params=pb.KVTransferParams(remote_address="unix:/tmp/x", transfer_token=b"t")),
-            timeout=10, metadata=metadata,
-        )),
+        "Prefill": lambda: worker.Prefill(
+            pb.PrefillRequest(request=request, transfer_token=b"t" * 32), timeout=10, metadata=metadata
+        ),
+        "Decode": lambda: drain(
+            worker.Decode(
+                pb.DecodeRequest(
+                    request=request,
+                    kv_transfer_params=pb.KVTransferParams(remote_address="unix:/tmp/x", transfer_token=b"t"),
+                ),
+                timeout=10,
+                metadata=metadata,
+            )
+        ),
         # No request message, as for Reflection below: served, an empty stream ends OK.
         "DecodeStream": lambda: drain(worker.DecodeStream(iter([]), timeout=10, metadata=metadata)),
-        "ReleaseKV": lambda: worker.ReleaseKV(pb.ReleaseKVRequest(request_id="victim", transfer_token=b"t"), timeout=10, metadata=metadata),
+        "ReleaseKV": lambda: worker.ReleaseKV(
+            pb.ReleaseKVRequest(request_id="victim", transfer_token=b"t"), timeout=10, metadata=metadata
+        ),
         "Stats": lambda: worker.Stats(pb.StatsRequest(), timeout=10, metadata=metadata),
-        "SubscribeKVEvents": lambda: drain(worker.SubscribeKVEvents(pb.KVEventsRequest(), timeout=10, metadata=metadata)),
-        "PullKV": lambda: drain(pull(pb.PullKVRequest(request_id="victim", transfer_token=b"t"), timeout=10, metadata=metadata)),
+        "SubscribeKVEvents": lambda: drain(
+            worker.SubscribeKVEvents(pb.KVEventsRequest(), timeout=10, metadata=metadata)
+        ),
+        "PullKV": lambda: drain(
+            pull(pb.PullKVRequest(request_id="victim", transfer_token=b"t"), timeout=10, metadata=metadata)
+        ),
         # No request message: the server may refuse before the client could write one, and a
         # write racing the refusal fails on the client as INTERNAL. Served, this call ends OK.
         "Reflection": lambda: drain(reflection.ServerReflectionInfo(iter([]), timeout=10, metadata=metadata)),
@@ -304,8 +332,13 @@ def tiny_pull_request(block_size: int, request_id: str, token: bytes) -> pb.Pull
     config = load_model_config("tiny")
     layout = KVCacheLayout.for_model(config, block_size, resolve_dtype("auto", config))
     return pb.PullKVRequest(
-        request_id=request_id, transfer_token=token, num_layers=layout.num_layers, block_size=layout.block_size,
-        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=wire.dtype_name(layout.dtype),
+        request_id=request_id,
+        transfer_token=token,
+        num_layers=layout.num_layers,
+        block_size=layout.block_size,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=wire.dtype_name(layout.dtype),
     )
 
 

@@ -76,11 +76,7 @@ class GGUFSpec:
 def permute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's converter order: each head's two rotary halves interleaved row by row."""
     rows = weight.shape[0]
-    return (
-        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def gguf_name(hf_name: str) -> str:
@@ -277,5 +273,9 @@ def random_block_quant_weight(num_rows: int, num_cols: int, is_signed: bool, see
     low, high = (-128, 128) if is_signed else (0, 16)
     codes = torch.randint(low, high, (num_rows, num_cols), generator=gen, dtype=torch.int8)
     scales = (torch.rand(num_rows, num_cols // 32, generator=gen) * 0.01).half().float()
-    mins = torch.zeros_like(scales) if is_signed else (-torch.rand(num_rows, num_cols // 32, generator=gen) * 0.08).half().float()
+    mins = (
+        torch.zeros_like(scales)
+        if is_signed
+        else (-torch.rand(num_rows, num_cols // 32, generator=gen) * 0.08).half().float()
+    )
     return BlockQuantWeight.from_rows(codes, scales, mins)

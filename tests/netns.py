@@ -52,8 +52,24 @@ class NetnsPair:
         run("ip", "netns", "add", self.prefill_ns)
         run("ip", "netns", "add", self.decode_ns)
         # Created inside the prefill namespace, so the root namespace never holds either end.
-        self.exec(self.prefill_ns, "ip", "link", "add", self.prefill_dev, "type", "veth", "peer", "name", self.decode_dev, "netns", self.decode_ns)
-        for ns, dev, ip in ((self.prefill_ns, self.prefill_dev, self.prefill_ip), (self.decode_ns, self.decode_dev, self.decode_ip)):
+        self.exec(
+            self.prefill_ns,
+            "ip",
+            "link",
+            "add",
+            self.prefill_dev,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            self.decode_dev,
+            "netns",
+            self.decode_ns,
+        )
+        for ns, dev, ip in (
+            (self.prefill_ns, self.prefill_dev, self.prefill_ip),
+            (self.decode_ns, self.decode_dev, self.decode_ip),
+        ):
             self.exec(ns, "ip", "addr", "add", f"{ip}/24", "dev", dev)
             self.exec(ns, "ip", "link", "set", dev, "up")
             self.exec(ns, "ip", "link", "set", "lo", "up")
@@ -71,7 +87,9 @@ class NetnsPair:
     def throttle(self, rate: str = "10mbit") -> None:
         """Both directions: tbf on each end of the veth pair."""
         for ns, dev in ((self.prefill_ns, self.prefill_dev), (self.decode_ns, self.decode_dev)):
-            self.exec(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "32kbit", "latency", "400ms")
+            self.exec(
+                ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "32kbit", "latency", "400ms"
+            )
 
     def close(self) -> None:
         for ns in (self.prefill_ns, self.decode_ns):

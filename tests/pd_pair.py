@@ -35,7 +35,9 @@ BLOCK_SIZE = 8
 NUM_BLOCKS = 64
 MAX_MODEL_LEN = 256
 # The prefill engine runs prompts in chunks of 16 tokens: long prompts stage over several steps.
-PREFILL_CONFIG = EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=16)
+PREFILL_CONFIG = EngineConfig(
+    block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=16
+)
 DECODE_CONFIG = EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN)
 LAYOUT = KVCacheLayout.for_model(TINY_CONFIG, BLOCK_SIZE, torch.float32)
 STAGING_BYTES = 48 * LAYOUT.bytes_per_block
@@ -127,7 +129,9 @@ class Pair:
 
 @contextlib.asynccontextmanager
 async def pd_pair(
-    kv_load_failure_policy: str = "recompute", registration_timeout: float = REGISTRATION_TIMEOUT, use_shared_memory: bool = False
+    kv_load_failure_policy: str = "recompute",
+    registration_timeout: float = REGISTRATION_TIMEOUT,
+    use_shared_memory: bool = False,
 ) -> AsyncIterator[Pair]:
     """A prefill and a decode engine over a real PullKV server; `use_shared_memory`: the
     decode side offers the same-host segment (--kv-transfer-shm)."""
@@ -137,10 +141,15 @@ async def pd_pair(
     prefill_connector = PrefillKVConnector(registry, chunk_bytes=2 * LAYOUT.bytes_per_block_per_layer)
     load_done = asyncio.Event()
     decode_connector = DecodeKVConnector(
-        LAYOUT, transfer_timeout=WAIT, on_load_done=lambda: loop.call_soon_threadsafe(load_done.set), use_shared_memory=use_shared_memory
+        LAYOUT,
+        transfer_timeout=WAIT,
+        on_load_done=lambda: loop.call_soon_threadsafe(load_done.set),
+        use_shared_memory=use_shared_memory,
     )
     prefill = LLMEngine("tiny", PREFILL_CONFIG, prefill_connector)
-    decode = LLMEngine("tiny", dataclasses.replace(DECODE_CONFIG, kv_load_failure_policy=kv_load_failure_policy), decode_connector)
+    decode = LLMEngine(
+        "tiny", dataclasses.replace(DECODE_CONFIG, kv_load_failure_policy=kv_load_failure_policy), decode_connector
+    )
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((KVTransferService(registry, registration_timeout).handler(),))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -173,10 +182,14 @@ async def drive_prefill(pair: Pair, on_finished: Callable[[str], None] | None = 
                 if on_finished is not None:
                     # Between steps, and before the step that frees the request's blocks.
                     on_finished(out.request_id)
-    raise AssertionError(f"prefill engine not drained after {MAX_STEPS} steps (blocks held: {engine.scheduler.kv.block_tables})")
+    raise AssertionError(
+        f"prefill engine not drained after {MAX_STEPS} steps (blocks held: {engine.scheduler.kv.block_tables})"
+    )
 
 
-async def drive_decode(pair: Pair, on_loaded: Callable[[RequestOutput], None] | None = None) -> dict[str, RequestOutput]:
+async def drive_decode(
+    pair: Pair, on_loaded: Callable[[RequestOutput], None] | None = None
+) -> dict[str, RequestOutput]:
     """Step the decode engine until it has nothing left; when a step can only wait for
     remote KV and changed nothing, wait for the connector's load-done event."""
     engine = pair.decode
@@ -184,7 +197,12 @@ async def drive_decode(pair: Pair, on_loaded: Callable[[RequestOutput], None] | 
     finished: dict[str, RequestOutput] = {}
 
     def state() -> tuple[object, ...]:
-        return frozenset(sched.waiting_for_remote_kv), frozenset(sched.pending_free), len(sched.waiting), len(sched.running)
+        return (
+            frozenset(sched.waiting_for_remote_kv),
+            frozenset(sched.pending_free),
+            len(sched.waiting),
+            len(sched.running),
+        )
 
     for _ in range(MAX_STEPS):
         if not engine.has_unfinished_requests():
@@ -201,7 +219,9 @@ async def drive_decode(pair: Pair, on_loaded: Callable[[RequestOutput], None] | 
         if idle and not outputs and state() == before:
             # A load that completes after this step's get_finished sets the event after the clear.
             await asyncio.wait_for(pair.load_done.wait(), WAIT)
-    raise AssertionError(f"decode engine not drained after {MAX_STEPS} steps (blocks held: {engine.scheduler.kv.block_tables})")
+    raise AssertionError(
+        f"decode engine not drained after {MAX_STEPS} steps (blocks held: {engine.scheduler.kv.block_tables})"
+    )
 
 
 def prompt_blocks(engine: LLMEngine, request_id: str, num_tokens: int) -> list[torch.Tensor]:

@@ -166,4 +166,9 @@ def normal_step(meta: Any, finished_req_ids: Collection[str] = ()) -> list[Call]
 
 
 def no_forward_step(meta: Any, finished_req_ids: Collection[str] = ()) -> list[Call]:
-    return [("bind_connector_metadata", meta), ("start_load_kv",), *after_forward(finished_req_ids), ("clear_connector_metadata",)]
+    return [
+        ("bind_connector_metadata", meta),
+        ("start_load_kv",),
+        *after_forward(finished_req_ids),
+        ("clear_connector_metadata",),
+    ]

@@ -15,8 +15,18 @@ pytestmark = pytest.mark.timeout(120)
 MAX_QUEUED = 4
 # A small cache and batch: two requests run, the rest queue behind them.
 WORKER_ARGS = [
-    "--max-queued-requests", str(MAX_QUEUED), "--num-blocks", "8", "--block-size", "16",
-    "--max-num-seqs", "2", "--num-threads", "1", "--grace-period", "2",
+    "--max-queued-requests",
+    str(MAX_QUEUED),
+    "--num-blocks",
+    "8",
+    "--block-size",
+    "16",
+    "--max-num-seqs",
+    "2",
+    "--num-threads",
+    "1",
+    "--grace-period",
+    "2",
 ]
 
 
@@ -26,7 +36,9 @@ async def test_burst_past_the_queue_bound_gets_resource_exhausted_and_frees_ever
 
             async def one(i: int) -> grpc.StatusCode | list[int]:
                 try:
-                    completion = await client.complete([1 + i % 50] * 20, timeout=60, max_tokens=16, temperature=0, ignore_eos=True)
+                    completion = await client.complete(
+                        [1 + i % 50] * 20, timeout=60, max_tokens=16, temperature=0, ignore_eos=True
+                    )
                 except grpc.aio.AioRpcError as e:
                     if e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
                         assert "queued" in (e.details() or "")

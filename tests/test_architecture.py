@@ -61,15 +61,22 @@ def graph(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
     shutil.copytree(ROOT / "client", tmp / "kvservice" / "client", ignore=ignore)
     out = subprocess.run(
         [sys.executable, "-c", _GRAPH_SCRIPT],
-        cwd=tmp, env={"PYTHONPATH": str(tmp)}, capture_output=True, text=True, check=True,
+        cwd=tmp,
+        env={"PYTHONPATH": str(tmp)},
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return json.loads(out)
 
 
 def _library(graph: dict[str, list[str]]) -> dict[str, list[str]]:
     """The library's modules and the library modules each imports."""
-    return {m: [i for i in imports if _package_of(i) == "kvservice" and i.startswith("kvservice")]
-            for m, imports in graph.items() if _package_of(m) == "kvservice"}
+    return {
+        m: [i for i in imports if _package_of(i) == "kvservice" and i.startswith("kvservice")]
+        for m, imports in graph.items()
+        if _package_of(m) == "kvservice"
+    }
 
 
 def _room_of(module: str) -> str | None:
@@ -89,7 +96,9 @@ def _package_of(module: str) -> str:
 
 def test_server_and_client_do_not_import_each_other(graph: dict[str, list[str]]) -> None:
     crossing = [
-        (module, imported) for module, imports in graph.items() for imported in imports
+        (module, imported)
+        for module, imports in graph.items()
+        for imported in imports
         if {_package_of(module), _package_of(imported)} == set(PROCESSES)
     ]
     assert not crossing, crossing
@@ -97,7 +106,9 @@ def test_server_and_client_do_not_import_each_other(graph: dict[str, list[str]])
 
 def test_the_library_imports_neither_server_nor_client(graph: dict[str, list[str]]) -> None:
     upward = [
-        (module, imported) for module, imports in graph.items() for imported in imports
+        (module, imported)
+        for module, imports in graph.items()
+        for imported in imports
         if _package_of(module) == "kvservice" and module != COMPOSITION_ROOT and _package_of(imported) != "kvservice"
     ]
     assert not upward, upward
@@ -114,7 +125,7 @@ def test_no_import_cycles_in_the_library(graph: dict[str, list[str]]) -> None:
         path.append(module)
         for imported in library.get(module, []):
             if state.get(imported) == 1:
-                return path[path.index(imported):] + [imported]
+                return path[path.index(imported) :] + [imported]
             if imported not in state and (cycle := visit(imported)) is not None:
                 return cycle
         path.pop()
@@ -142,8 +153,11 @@ def test_every_library_module_lives_in_a_room(graph: dict[str, list[str]]) -> No
 def test_rooms_import_only_the_rooms_below_them(graph: dict[str, list[str]]) -> None:
     """TYPE_CHECKING imports count: an annotation still ties one room to another."""
     wrong = [
-        (module, imported) for module, imports in _library(graph).items() for imported in imports
-        if (room := _room_of(module)) is not None and (target := _room_of(imported)) not in (None, room)
+        (module, imported)
+        for module, imports in _library(graph).items()
+        for imported in imports
+        if (room := _room_of(module)) is not None
+        and (target := _room_of(imported)) not in (None, room)
         and target not in ROOMS[room]
     ]
     assert not wrong, wrong
@@ -151,8 +165,12 @@ def test_rooms_import_only_the_rooms_below_them(graph: dict[str, list[str]]) -> 
 
 def test_the_worker_and_engine_know_only_the_connector_contract(graph: dict[str, list[str]]) -> None:
     implementations = [
-        (module, imported) for module, imports in _library(graph).items() for imported in imports
-        if _room_of(module) in ("worker", "engine") and _room_of(imported) == "connector" and imported not in CONNECTOR_CONTRACT
+        (module, imported)
+        for module, imports in _library(graph).items()
+        for imported in imports
+        if _room_of(module) in ("worker", "engine")
+        and _room_of(imported) == "connector"
+        and imported not in CONNECTOR_CONTRACT
     ]
     assert not implementations, implementations
     assert "kvservice.connector.base" in graph["kvservice.engine.engine"]  # the check above has something to check
@@ -164,7 +182,13 @@ def test_the_model_knows_no_connector(graph: dict[str, list[str]]) -> None:
 
 
 def test_core_bookkeeping_imports_no_torch_and_no_grpc(graph: dict[str, list[str]]) -> None:
-    heavy = [(m, i) for m, imports in graph.items() if _room_of(m) == "core" for i in imports if i.split(".")[0] in CORE_FORBIDDEN]
+    heavy = [
+        (m, i)
+        for m, imports in graph.items()
+        if _room_of(m) == "core"
+        for i in imports
+        if i.split(".")[0] in CORE_FORBIDDEN
+    ]
     assert not heavy, heavy
     assert "torch" in graph["kvservice.model.model"]  # external imports are in the graph at all
 
@@ -172,7 +196,9 @@ def test_core_bookkeeping_imports_no_torch_and_no_grpc(graph: dict[str, list[str
 def test_no_module_over_400_lines() -> None:
     """Past ~400 lines a module does two jobs (STYLE.md). The generated stubs are not ours."""
     long = {
-        str(path.relative_to(ROOT)): n for folder in ("kvservice", "server", "client") for path in (ROOT / folder).rglob("*.py")
+        str(path.relative_to(ROOT)): n
+        for folder in ("kvservice", "server", "client")
+        for path in (ROOT / folder).rglob("*.py")
         if "v1" not in path.relative_to(ROOT).parts and (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     }
     assert not long, long

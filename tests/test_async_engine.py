@@ -102,7 +102,10 @@ async def test_run_hands_each_output_to_its_callback_as_generate_yields_them(eng
     expected = [out.new_token_ids async for out in engine.generate([1, 2, 3], params)]
     seen: list[list[int]] = []
     finished: list[bool] = []
-    await asyncio.wait_for(engine.run([1, 2, 3], params, lambda out: (seen.append(out.new_token_ids), finished.append(out.all_finished))), DEADLINE_S)
+    await asyncio.wait_for(
+        engine.run([1, 2, 3], params, lambda out: (seen.append(out.new_token_ids), finished.append(out.all_finished))),
+        DEADLINE_S,
+    )
     assert seen == expected and sum(map(len, seen)) == 5
     assert finished == [False] * (len(seen) - 1) + [True]
     with pytest.raises(ValueError):  # refused input raises, as generate's first step does
@@ -158,9 +161,13 @@ async def _silent_prefill() -> tuple[grpc.aio.Server, str]:
         yield b""
 
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "kvservice.v1.KVTransfer", {"PullKV": grpc.unary_stream_rpc_method_handler(pull)}
-    )])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "kvservice.v1.KVTransfer", {"PullKV": grpc.unary_stream_rpc_method_handler(pull)}
+            )
+        ]
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
@@ -169,7 +176,9 @@ async def _silent_prefill() -> tuple[grpc.aio.Server, str]:
 async def test_requests_waiting_for_blocks_held_by_a_pull_do_not_spin() -> None:
     server, address = await _silent_prefill()
     config = EngineConfig(block_size=8, num_blocks=8, max_model_len=128)
-    llm = LLMEngine("tiny", config, DecodeKVConnector(KVCacheLayout.for_model(load_model_config("tiny"), 8, torch.float32)))
+    llm = LLMEngine(
+        "tiny", config, DecodeKVConnector(KVCacheLayout.for_model(load_model_config("tiny"), 8, torch.float32))
+    )
     engine = AsyncLLMEngine(llm)
     assert isinstance(llm.connector, DecodeKVConnector)
     llm.connector.on_load_done = engine.wake

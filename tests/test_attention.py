@@ -27,7 +27,13 @@ def kernel():
 
 
 def _random_case(
-    batch: int, num_queries: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int, head_dim: int = HEAD_DIM
+    batch: int,
+    num_queries: int,
+    num_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    seed: int,
+    head_dim: int = HEAD_DIM,
 ) -> tuple[torch.Tensor, torch.Tensor, list[BatchItem]]:
     """A cache with shuffled blocks, and B requests of Q queries at random positions."""
     gen = torch.Generator().manual_seed(seed)
@@ -53,7 +59,9 @@ def _reference(q: torch.Tensor, kv_layer: torch.Tensor, items: list[BatchItem]) 
     for b, item in enumerate(items):
         for i in range(num_queries):
             visible = item.start + i + 1
-            slots = torch.tensor([item.block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(visible)])
+            slots = torch.tensor(
+                [item.block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(visible)]
+            )
             k = flat[0][slots].repeat_interleave(group, dim=1)  # [visible, Hq, D]
             v = flat[1][slots].repeat_interleave(group, dim=1)
             qi = q[b * num_queries + i].double()  # [Hq, D]
@@ -118,37 +126,55 @@ def test_kernel_rejects_a_block_id_outside_the_cache(kernel) -> None:
 def _sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention in float64: [T, H, D] in, [T, Hq, D] out."""
     q64, k64, v64 = (t.double().transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q64, k64, v64, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+    )
     return out.squeeze(0).transpose(0, 1)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (8, 2, 128), (4, 2, 32)])
 @pytest.mark.parametrize("num_tokens", [1, 7, 33, 130, 300])
-def test_prompt_attention_matches_causal_sdpa(kernel, num_heads: int, num_kv_heads: int, head_dim: int, num_tokens: int) -> None:
+def test_prompt_attention_matches_causal_sdpa(
+    kernel, num_heads: int, num_kv_heads: int, head_dim: int, num_tokens: int
+) -> None:
     """Views of one fused qkv projection, as the model passes them (rows strided, heads contiguous)."""
     gen = torch.Generator().manual_seed(num_tokens * 31 + head_dim)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen) * 2
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q, k, v = q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim), v.view(num_tokens, num_kv_heads, head_dim)
+    q, k, v = (
+        q.view(num_tokens, num_heads, head_dim),
+        k.view(num_tokens, num_kv_heads, head_dim),
+        v.view(num_tokens, num_kv_heads, head_dim),
+    )
     out = torch.ops.kvservice.prompt_attention(q, k, v, head_dim**-0.5)
     assert out.shape == (num_tokens, num_heads, head_dim)
     exact = _sdpa_reference(q, k, v)
     # As close to the float64 result as torch's own float32 SDPA is (within 4x, or 1e-5).
     sdpa32 = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, enable_gqa=num_heads != num_kv_heads
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        is_causal=True,
+        enable_gqa=num_heads != num_kv_heads,
     )[0].transpose(0, 1)
     tolerance = max(1e-5, 4 * float((sdpa32.double() - exact).abs().max()))
     torch.testing.assert_close(out.double(), exact, atol=tolerance, rtol=0)
 
 
-def test_paged_attention_runs_fresh_prompts_through_the_kernel_as_sdpa_would(kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_paged_attention_runs_fresh_prompts_through_the_kernel_as_sdpa_would(
+    kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The model's path: two fresh prompts and a decode request in one step, with the prompt
     kernel (where it is the faster path) and with SDPA, agree."""
     gen = torch.Generator().manual_seed(5)
     num_blocks = 32
     kv_layer = torch.randn(2, num_blocks, BLOCK_SIZE, 3, HEAD_DIM, generator=gen)
-    items = [BatchItem([1], 40, [0, 1, 2]), BatchItem(list(range(50)), 0, [3, 4, 5, 6]), BatchItem(list(range(21)), 0, [7, 8])]
+    items = [
+        BatchItem([1], 40, [0, 1, 2]),
+        BatchItem(list(range(50)), 0, [3, 4, 5, 6]),
+        BatchItem(list(range(21)), 0, [7, 8]),
+    ]
     meta = build_batch(items, BLOCK_SIZE, torch.device("cpu")).attn
     assert len(meta.prefills) == 2 and all(span.context_slots is None for span in meta.prefills)
     num_tokens = 1 + 50 + 21
@@ -164,7 +190,11 @@ def test_paged_attention_runs_fresh_prompts_through_the_kernel_as_sdpa_would(ker
 
 def test_prompt_attention_out_writes_the_ops_result_into_a_slice(kernel) -> None:
     gen = torch.Generator().manual_seed(4)
-    q, k, v = torch.randn(40, 9, HEAD_DIM, generator=gen), torch.randn(40, 3, HEAD_DIM, generator=gen), torch.randn(40, 3, HEAD_DIM, generator=gen)
+    q, k, v = (
+        torch.randn(40, 9, HEAD_DIM, generator=gen),
+        torch.randn(40, 3, HEAD_DIM, generator=gen),
+        torch.randn(40, 3, HEAD_DIM, generator=gen),
+    )
     out = torch.full((50, 9, HEAD_DIM), 7.0)
     torch.ops.kvservice.prompt_attention_out(q, k, v, 0.125, out[5:45])
     assert torch.equal(out[5:45], torch.ops.kvservice.prompt_attention(q, k, v, 0.125))
@@ -200,7 +230,11 @@ def test_a_long_fresh_prompt_goes_to_sdpa(kernel, monkeypatch: pytest.MonkeyPatc
     items = [BatchItem(list(range(17)), 0, [0, 1]), BatchItem(list(range(16)), 0, [2])]
     meta = build_batch(items, BLOCK_SIZE, torch.device("cpu")).attn
     gen = torch.Generator().manual_seed(9)
-    q, k, v = torch.randn(33, 4, HEAD_DIM, generator=gen), torch.randn(33, 2, HEAD_DIM, generator=gen), torch.randn(33, 2, HEAD_DIM, generator=gen)
+    q, k, v = (
+        torch.randn(33, 4, HEAD_DIM, generator=gen),
+        torch.randn(33, 2, HEAD_DIM, generator=gen),
+        torch.randn(33, 2, HEAD_DIM, generator=gen),
+    )
     out = paged_attention(q, k, v, torch.zeros(2, 4, BLOCK_SIZE, 2, HEAD_DIM), meta)
     assert calls == [16]  # the 17-token prompt took SDPA
     torch.testing.assert_close(out[:17].double(), _sdpa_reference(q[:17], k[:17], v[:17]), atol=1e-5, rtol=1e-5)

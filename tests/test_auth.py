@@ -70,7 +70,9 @@ async def test_with_the_token_the_request_is_disaggregated(cluster: LocalCluster
 async def test_a_launched_decode_worker_dials_only_the_clusters_prefill_workers(cluster: LocalCluster) -> None:
     """LocalCluster (and so `kvservice launch`) gives decode workers the prefill addresses as --kv-peers."""
     request = pb.DecodeRequest(
-        request=pb.GenerateRequest(request_id="r-peer", token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling_params=pb.SamplingParams(max_tokens=2)),
+        request=pb.GenerateRequest(
+            request_id="r-peer", token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling_params=pb.SamplingParams(max_tokens=2)
+        ),
         kv_transfer_params=pb.KVTransferParams(remote_address="127.0.0.1:1", transfer_token=b"t" * 32),
     )
     async with grpc.aio.insecure_channel(cluster.decode_addresses[0]) as channel:
@@ -83,10 +85,27 @@ async def test_a_launched_decode_worker_dials_only_the_clusters_prefill_workers(
 async def _start_decode_worker(*args: str, stdin: bytes | None = None) -> asyncio.subprocess.Process:
     """A decode worker on the tiny model; `stdin`: written to its stdin, which is then closed."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvservice", "serve", "--role", "decode", "--model", "tiny", "--port", "0",
-        "--num-blocks", "32", "--num-threads", "1", "--grace-period", "1", *args,
-        stdin=asyncio.subprocess.PIPE if stdin is not None else None, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE if stdin is not None else None, env={**os.environ, **WORKER_ENV},
+        sys.executable,
+        "-m",
+        "kvservice",
+        "serve",
+        "--role",
+        "decode",
+        "--model",
+        "tiny",
+        "--port",
+        "0",
+        "--num-blocks",
+        "32",
+        "--num-threads",
+        "1",
+        "--grace-period",
+        "1",
+        *args,
+        stdin=asyncio.subprocess.PIPE if stdin is not None else None,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE if stdin is not None else None,
+        env={**os.environ, **WORKER_ENV},
     )
     if stdin is not None:
         assert process.stdin is not None
@@ -125,7 +144,11 @@ async def test_decode_dials_only_its_kv_peers(remote_address: str, code: grpc.St
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             request = pb.DecodeRequest(
-                request=pb.GenerateRequest(request_id="r1", token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling_params=pb.SamplingParams(max_tokens=2)),
+                request=pb.GenerateRequest(
+                    request_id="r1",
+                    token_ids=pb.TokenIds(ids=[1, 2, 3]),
+                    sampling_params=pb.SamplingParams(max_tokens=2),
+                ),
                 kv_transfer_params=pb.KVTransferParams(remote_address=remote_address, transfer_token=b"t" * 32),
             )
             with pytest.raises(grpc.aio.AioRpcError) as refused:

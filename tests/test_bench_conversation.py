@@ -35,8 +35,16 @@ class _EchoServer:
         answer = [1000 + len(self.sent) * 10 + i for i in range(request.expected_output_len)]
         now = time.perf_counter()
         is_ok = len(self.sent) - 1 != self.fail_turn
-        return RequestRecord(request_id, request.prompt_len, now, output_len=len(answer), token_times=[now] * len(answer),
-                             end=now, success=is_ok, output_token_ids=answer if is_ok else [])
+        return RequestRecord(
+            request_id,
+            request.prompt_len,
+            now,
+            output_len=len(answer),
+            token_times=[now] * len(answer),
+            end=now,
+            success=is_ok,
+            output_token_ids=answer if is_ok else [],
+        )
 
 
 async def test_each_turn_resends_the_previous_prompt_and_its_answer() -> None:

@@ -22,7 +22,9 @@ def test_reference_model_generates_what_the_engine_generates(model: str, tmp_pat
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outputs):
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None
+            )
         assert out.token_ids == ref[0, len(prompt) :].tolist()
     assert len({tuple(o.token_ids) for o in outputs}) == len(prompts)
 
@@ -41,5 +43,9 @@ def test_random_smollm2_has_the_shape_the_loader_reads_from_the_gguf() -> None:
 
     real = hf_config_arguments(load_model_config(SMOLLM2_MODEL))
     assert real.keys() == SMOLLM2_SHAPE.keys()
-    assert {k: v for k, v in real.items() if k != "rms_norm_eps"} == {k: v for k, v in SMOLLM2_SHAPE.items() if k != "rms_norm_eps"}
-    assert real["rms_norm_eps"] == pytest.approx(SMOLLM2_SHAPE["rms_norm_eps"], rel=1e-6)  # stored as float32 in the GGUF
+    assert {k: v for k, v in real.items() if k != "rms_norm_eps"} == {
+        k: v for k, v in SMOLLM2_SHAPE.items() if k != "rms_norm_eps"
+    }
+    assert real["rms_norm_eps"] == pytest.approx(
+        SMOLLM2_SHAPE["rms_norm_eps"], rel=1e-6
+    )  # stored as float32 in the GGUF

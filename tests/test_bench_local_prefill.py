@@ -56,4 +56,6 @@ def test_a_small_sweep_runs_both_modes_and_names_a_crossover(capsys: pytest.Capt
     assert result["lengths"] == [8, 24] and result["crossover"] in (0, 8, 24)
     for mode_name in ("local", "remote"):
         assert all(len(v) == 1 and v[0] > 0 for v in result[mode_name]["ttft_s"].values())
-        assert all(v[0] > 0 for v in result[mode_name]["max_background_gap_s"].values()), "the background stream did not decode"
+        assert all(v[0] > 0 for v in result[mode_name]["max_background_gap_s"].values()), (
+            "the background stream did not decode"
+        )

@@ -18,17 +18,17 @@ from kvservice.client.bench.metrics import (
 def _records() -> list[RequestRecord]:
     return [
         # a: 3 tokens, one per chunk.
-        RequestRecord("a", prompt_len=10, start=0.0, output_len=3,
-                      token_times=[0.1, 0.3, 0.6], end=0.6, success=True),
+        RequestRecord("a", prompt_len=10, start=0.0, output_len=3, token_times=[0.1, 0.3, 0.6], end=0.6, success=True),
         # b: 4 tokens, the first two in one chunk (shared time).
-        RequestRecord("b", prompt_len=20, start=1.0, output_len=4,
-                      token_times=[1.2, 1.2, 1.5, 1.6], end=1.7, success=True),
+        RequestRecord(
+            "b", prompt_len=20, start=1.0, output_len=4, token_times=[1.2, 1.2, 1.5, 1.6], end=1.7, success=True
+        ),
         # c: a single token.
-        RequestRecord("c", prompt_len=5, start=2.0, output_len=1,
-                      token_times=[2.4], end=2.4, success=True),
+        RequestRecord("c", prompt_len=5, start=2.0, output_len=1, token_times=[2.4], end=2.4, success=True),
         # d: failed after one token; must not count anywhere but `failed`.
-        RequestRecord("d", prompt_len=7, start=3.0, output_len=1,
-                      token_times=[3.01], end=3.6, success=False, error="boom"),
+        RequestRecord(
+            "d", prompt_len=7, start=3.0, output_len=1, token_times=[3.01], end=3.6, success=False, error="boom"
+        ),
     ]
 
 
@@ -173,7 +173,16 @@ def test_report_layout() -> None:
 
 def test_multi_turn_ttft_splits_first_turns_from_later_ones() -> None:
     def turn(turn: int, ttft: float, success: bool = True) -> RequestRecord:
-        return RequestRecord(f"r{turn}-{ttft}", prompt_len=4, start=0.0, output_len=1, token_times=[ttft], end=ttft, success=success, turn=turn)
+        return RequestRecord(
+            f"r{turn}-{ttft}",
+            prompt_len=4,
+            start=0.0,
+            output_len=1,
+            token_times=[ttft],
+            end=ttft,
+            success=success,
+            turn=turn,
+        )
 
     records = [turn(0, 0.4), turn(1, 0.1), turn(0, 0.6), turn(1, 0.2), turn(2, 0.3), turn(2, 9.0, success=False)]
     metrics = compute_metrics(records, duration_s=1.0)

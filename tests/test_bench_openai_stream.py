@@ -32,8 +32,15 @@ def _completion(text: str, finish_reason: str | None = None, token_ids: list[int
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, object]:
-    return {"id": "cmpl-1", "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                                      "total_tokens": prompt_tokens + completion_tokens}}
+    return {
+        "id": "cmpl-1",
+        "choices": [],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
 
 
 async def _chunks(text: str) -> list[StreamedChunk]:
@@ -41,18 +48,23 @@ async def _chunks(text: str) -> list[StreamedChunk]:
 
 
 async def _record(text: str) -> RequestRecord:
-    return await record_stream(RequestRecord("r", prompt_len=3, start=time.perf_counter()), openai_chunks(sse_events(_lines(text))))
+    return await record_stream(
+        RequestRecord("r", prompt_len=3, start=time.perf_counter()), openai_chunks(sse_events(_lines(text)))
+    )
 
 
 async def test_sse_framing_comments_crlf_multiline_data_and_an_unterminated_last_event() -> None:
-    text = ": keep-alive\r\n\r\ndata: a\r\ndata:b\r\nevent: message\r\nid: 7\r\n\r\n\ndata: {\"x\": 1}\n\ndata: tail"
+    text = ': keep-alive\r\n\r\ndata: a\r\ndata:b\r\nevent: message\r\nid: 7\r\n\r\n\ndata: {"x": 1}\n\ndata: tail'
     assert [e async for e in sse_events(_lines(text))] == ["a\nb", '{"x": 1}', "tail"]
 
 
 async def test_kvservice_stream_counts_the_token_ids_of_each_choice() -> None:
     text = _sse(
-        _completion("He", token_ids=[72, 101]), _completion("", token_ids=[0xE2]), _completion("\u2026!", "length", [0x80, 0xA6, 33]),
-        _usage(5, 6), "[DONE]",
+        _completion("He", token_ids=[72, 101]),
+        _completion("", token_ids=[0xE2]),
+        _completion("\u2026!", "length", [0x80, 0xA6, 33]),
+        _usage(5, 6),
+        "[DONE]",
     )
     chunks = await _chunks(text)
     assert [c.num_tokens for c in chunks] == [2, 1, 3, 0]  # a token without text of its own still counts
@@ -64,7 +76,9 @@ async def test_kvservice_stream_counts_the_token_ids_of_each_choice() -> None:
 
 async def test_vllm_stream_counts_one_token_per_text_delta_and_usage_fixes_the_total() -> None:
     # vLLM sends no token ids; one delta here carries two tokens, and one event is empty.
-    text = _sse(_completion(" a"), _completion(" b c"), _completion(""), _completion(" d", "length"), _usage(4, 5), "[DONE]")
+    text = _sse(
+        _completion(" a"), _completion(" b c"), _completion(""), _completion(" d", "length"), _usage(4, 5), "[DONE]"
+    )
     chunks = await _chunks(text)
     assert [c.num_tokens for c in chunks] == [1, 1, 0, 1, 2]
     record = await _record(text)
@@ -79,9 +93,14 @@ async def test_vllm_stream_without_usage_keeps_the_per_event_count() -> None:
 async def test_chat_stream_counts_content_deltas_not_the_role_delta() -> None:
     def delta(content: str | None, finish_reason: str | None = None, role: str | None = None) -> dict[str, object]:
         body = {k: v for k, v in (("role", role), ("content", content)) if v is not None}
-        return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": body, "finish_reason": finish_reason}]}
+        return {
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": body, "finish_reason": finish_reason}],
+        }
 
-    text = _sse(delta("", role="assistant"), delta("Hi"), delta(" there"), delta(None, "length"), _usage(9, 2), "[DONE]")
+    text = _sse(
+        delta("", role="assistant"), delta("Hi"), delta(" there"), delta(None, "length"), _usage(9, 2), "[DONE]"
+    )
     assert [c.num_tokens for c in await _chunks(text)] == [0, 1, 1, 0, 0]
     record = await _record(text)
     assert (record.success, record.output_len, record.prompt_len, record.text) == (True, 2, 9, "Hi there")

@@ -48,12 +48,16 @@ def test_flags_default_to_the_issues_workload_on_all_four_servers() -> None:
 
 
 def test_each_level_gets_its_own_prompts_of_the_asked_shape() -> None:
-    levels = peers.workloads(_args("--num-prompts-c1", "3", "--num-prompts-c16", "5", "--input-len", "40", "--output-len", "7"))
+    levels = peers.workloads(
+        _args("--num-prompts-c1", "3", "--num-prompts-c16", "5", "--input-len", "40", "--output-len", "7")
+    )
     assert {c: len(w) for c, w in levels.items()} == {1: 3, 16: 5}
     every = [r for w in levels.values() for r in w]
     assert {(r.prompt_len, r.expected_output_len) for r in every} == {(40, 7)}
     # No prompt of one level opens like one of the other (a prefix cache would serve it).
-    assert not {tuple(r.prompt_token_ids[:16]) for r in levels[1]} & {tuple(r.prompt_token_ids[:16]) for r in levels[16]}
+    assert not {tuple(r.prompt_token_ids[:16]) for r in levels[1]} & {
+        tuple(r.prompt_token_ids[:16]) for r in levels[16]
+    }
     assert peers.model_len(256, 128) == 512 and peers.model_len(256, 256) == 512 and peers.model_len(500, 13) == 768
 
 
@@ -74,8 +78,16 @@ class _Replying(Backend):
 
     async def send(self, request: SampledRequest, request_id: str, timeout: float | None) -> RequestRecord:
         now = time.perf_counter()
-        return RequestRecord(request_id, request.prompt_len, now, output_len=self.num_tokens, token_times=[now] * self.num_tokens,
-                             end=now, success=True, text=self.text)
+        return RequestRecord(
+            request_id,
+            request.prompt_len,
+            now,
+            output_len=self.num_tokens,
+            token_times=[now] * self.num_tokens,
+            end=now,
+            success=True,
+            text=self.text,
+        )
 
 
 async def test_sanity_needs_paris_from_both_endpoints_and_the_full_output_length() -> None:
@@ -97,14 +109,29 @@ async def test_sanity_needs_paris_from_both_endpoints_and_the_full_output_length
 
 
 def _server(name: str, *, tpot_1: float, itl_16: float, tok_s_16: float, startup: float) -> ServerResult:
-    run_1 = {"failed": 0, "output_throughput": 1000.0 / tpot_1, "mean_ttft_ms": 50.0, "mean_tpot_ms": tpot_1, "p99_itl_ms": tpot_1 * 2}
-    run_16 = {"failed": 0, "output_throughput": tok_s_16, "mean_ttft_ms": 400.0, "mean_tpot_ms": 60.0, "p99_itl_ms": itl_16}
+    run_1 = {
+        "failed": 0,
+        "output_throughput": 1000.0 / tpot_1,
+        "mean_ttft_ms": 50.0,
+        "mean_tpot_ms": tpot_1,
+        "p99_itl_ms": tpot_1 * 2,
+    }
+    run_16 = {
+        "failed": 0,
+        "output_throughput": tok_s_16,
+        "mean_ttft_ms": 400.0,
+        "mean_tpot_ms": 60.0,
+        "p99_itl_ms": itl_16,
+    }
     return ServerResult(name, [name], startup_s=startup, is_sane=True, runs={1: run_1, 16: run_16})
 
 
 def _rows(table: str) -> dict[str, list[str]]:
     lines = table.splitlines()
-    return {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[1:-1] if not line.startswith("-"))}
+    return {
+        cells[0]: cells[1:]
+        for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[1:-1] if not line.startswith("-"))
+    }
 
 
 def test_table_has_every_server_the_ratios_to_each_peer_and_the_verdicts() -> None:
@@ -115,16 +142,43 @@ def test_table_has_every_server_the_ratios_to_each_peer_and_the_verdicts() -> No
         VLLM: _server(VLLM, tpot_1=25.0, itl_16=100.0, tok_s_16=300.0, startup=60.0),
     }
     rows = _rows(format_peers_table(results))
-    assert rows["Metric"] == ["coloc", "1p1d", "llama.cpp", "vllm", "coloc/llama.cpp", "coloc/vllm", "1p1d/llama.cpp",
-                              "1p1d/vllm", "target", "pass/fail"]
+    assert rows["Metric"] == [
+        "coloc",
+        "1p1d",
+        "llama.cpp",
+        "vllm",
+        "coloc/llama.cpp",
+        "coloc/vllm",
+        "1p1d/llama.cpp",
+        "1p1d/vllm",
+        "target",
+        "pass/fail",
+    ]
     assert rows["Status"] == ["ok"] * 4
     # TPOT 20 and 30 against llama.cpp's 20: within 1.3x for colocated (1.0x), not for 1P1D (1.5x).
-    assert rows["Mean TPOT c=1 (ms)"] == ["20.00", "30.00", "20.00", "25.00", "1.00x", "0.80x", "1.50x", "1.20x",
-                                          "<= 1.3x llama.cpp", "coloc PASS, 1p1d FAIL"]
+    assert rows["Mean TPOT c=1 (ms)"] == [
+        "20.00",
+        "30.00",
+        "20.00",
+        "25.00",
+        "1.00x",
+        "0.80x",
+        "1.50x",
+        "1.20x",
+        "<= 1.3x llama.cpp",
+        "coloc PASS, 1p1d FAIL",
+    ]
     # p99 ITL at 16 against vLLM's 100: 90 passes, 120 fails.
     assert rows["P99 ITL c=16 (ms)"][-1] == "coloc PASS, 1p1d FAIL"
     # Throughput against 1.3x the better peer (vLLM's 300 -> 390): 400 passes, 300 fails.
-    assert rows["Output tok/s c=16"][4:] == ["2.00x", "1.33x", "1.50x", "1.00x", ">= 1.3x better peer", "coloc PASS, 1p1d FAIL"]
+    assert rows["Output tok/s c=16"][4:] == [
+        "2.00x",
+        "1.33x",
+        "1.50x",
+        "1.00x",
+        ">= 1.3x better peer",
+        "coloc PASS, 1p1d FAIL",
+    ]
     assert rows["Start-up to ready (s)"][-2:] == ["1p1d <= 10 s", "FAIL"]  # launch only
     verdicts = {(v["metric"], v["deployment"]): v for v in target_verdicts(results)}
     assert verdicts[("Output tok/s c=16", KVSERVICE_COLOCATED)]["bound"] == pytest.approx(390.0)
@@ -136,7 +190,9 @@ def test_a_peer_that_failed_sanity_shows_no_figures_and_its_targets_are_undecide
     results = {
         KVSERVICE_COLOCATED: _server(KVSERVICE_COLOCATED, tpot_1=20.0, itl_16=90.0, tok_s_16=400.0, startup=4.0),
         LLAMA_CPP: _server(LLAMA_CPP, tpot_1=20.0, itl_16=80.0, tok_s_16=200.0, startup=1.0),
-        VLLM: ServerResult(VLLM, ["vllm"], startup_s=50.0, error="sanity failed: 'What is the capital of France?' answered 'Lyon'"),
+        VLLM: ServerResult(
+            VLLM, ["vllm"], startup_s=50.0, error="sanity failed: 'What is the capital of France?' answered 'Lyon'"
+        ),
     }
     rows = _rows(format_peers_table(results))
     assert rows["Status"][:3] == ["ok", "ok", "sanity failed"]
@@ -168,9 +224,14 @@ def test_server_commands_serve_smollm2_on_the_given_port(tmp_path: Path) -> None
     paths, gguf = PeerPaths(tmp_path), tmp_path / "m.gguf"
 
     def argv(name: str) -> list[str]:
-        return list(peer_servers.server_spec(name, 4321, paths, gguf, max_model_len=512, num_threads=2, cores=[0, 1]).argv)
+        return list(
+            peer_servers.server_spec(name, 4321, paths, gguf, max_model_len=512, num_threads=2, cores=[0, 1]).argv
+        )
 
-    assert argv(KVSERVICE_COLOCATED)[-8:] == ["serve", "--role", "both", "--model", "smollm2", "--port", "0", "--http-port", "4321"][-8:]
+    assert (
+        argv(KVSERVICE_COLOCATED)[-8:]
+        == ["serve", "--role", "both", "--model", "smollm2", "--port", "0", "--http-port", "4321"][-8:]
+    )
     assert argv(KVSERVICE_1P1D)[-7:] == ["launch", "--model", "smollm2", "--port", "0", "--http-port", "4321"]
     llama = argv(LLAMA_CPP)
     assert llama[:3] == [str(paths.llama_server), "-m", str(gguf)] and llama[llama.index("-np") + 1] == "16"
@@ -195,7 +256,9 @@ async def test_a_server_is_timed_until_it_is_healthy_and_lists_its_model_and_sto
         assert server.process is not None
         process = server.process
     assert process.returncode is not None  # stopped on the way out
-    failing = peer_servers.ServerSpec("crash", (sys.executable, "-c", "print('no model here'); raise SystemExit(3)"), port)
+    failing = peer_servers.ServerSpec(
+        "crash", (sys.executable, "-c", "print('no model here'); raise SystemExit(3)"), port
+    )
     with pytest.raises(peer_servers.ServerStartError, match=r"(?s)exited with code 3 .*no model here"):
         async with peer_servers.PeerServer(failing, tmp_path / "crash.log", ready_timeout=30.0):
             pass

@@ -26,11 +26,20 @@ def _records() -> list[RequestRecord]:
         start = 0.05 * i
         times = [start + 0.1 + 0.01 * i, start + 0.15 + 0.01 * i, start + 0.2 + 0.01 * i]
         records.append(
-            RequestRecord(f"r{i}", prompt_len=32, start=start, output_len=3, token_times=times,
-                          end=times[-1], success=i != 7, error="" if i != 7 else "x")
+            RequestRecord(
+                f"r{i}",
+                prompt_len=32,
+                start=start,
+                output_len=3,
+                token_times=times,
+                end=times[-1],
+                success=i != 7,
+                error="" if i != 7 else "x",
+            )
         )
-    records.append(RequestRecord("single", prompt_len=8, start=0.5, output_len=1,
-                                 token_times=[0.6], end=0.6, success=True))
+    records.append(
+        RequestRecord("single", prompt_len=8, start=0.5, output_len=1, token_times=[0.6], end=0.6, success=True)
+    )
     return records
 
 
@@ -39,7 +48,10 @@ def test_latency_cdfs_plot_each_metric_of_the_successful_requests() -> None:
     ok = [r for r in records if r.success]
     axes = {ax.get_title(): ax for ax in latency_cdf_figure(records).axes}
     assert set(axes) == {
-        "TTFT (time to first token)", "TTST (time to second token)", "TPOT (time per output token)", "E2EL (end-to-end latency)",
+        "TTFT (time to first token)",
+        "TTST (time to second token)",
+        "TPOT (time per output token)",
+        "E2EL (end-to-end latency)",
     }
     for title, values in (
         ("TTFT (time to first token)", [r.ttft for r in ok]),
@@ -75,9 +87,13 @@ def test_compare_figure_bars_are_the_result_values() -> None:
     }
     axes = {ax.get_title(): ax for ax in compare_figure(results).axes}
     throughput = [bar.get_height() for bar in axes["Output throughput (tok/s)"].patches]
-    assert throughput == pytest.approx([results["colocated"]["output_throughput"], results["disaggregated"]["output_throughput"]])
+    assert throughput == pytest.approx(
+        [results["colocated"]["output_throughput"], results["disaggregated"]["output_throughput"]]
+    )
     ttft = [bar.get_height() for bar in axes["TTFT (ms)"].patches]  # mean bars, then p99 bars
-    assert ttft == pytest.approx([results[n][f"{stat}_ttft_ms"] for stat in ("mean", "p99") for n in ("colocated", "disaggregated")])
+    assert ttft == pytest.approx(
+        [results[n][f"{stat}_ttft_ms"] for stat in ("mean", "p99") for n in ("colocated", "disaggregated")]
+    )
     with pytest.raises(ValueError, match="deployment"):
         compare_figure({})
 

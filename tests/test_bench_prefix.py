@@ -34,12 +34,21 @@ def test_a_proxy_that_refuses_its_flags_is_named_with_them() -> None:
     assert "'round-robin'" in message and "rejected its flags `--routing round-robin`" in message
     # Any other failure keeps its own words.
     crashed = LaunchError("decode-1 exited with code 1 before it was ready (...)", "decode-1", 1)
-    assert prefix.launch_error_message(rr, crashed) == "configuration 'round-robin': decode-1 exited with code 1 before it was ready (...)"
+    assert (
+        prefix.launch_error_message(rr, crashed)
+        == "configuration 'round-robin': decode-1 exited with code 1 before it was ready (...)"
+    )
 
 
 def test_table_puts_configurations_side_by_side_with_ratios_to_the_first() -> None:
     def result(ttft: float, hit_rate: float | None) -> dict[str, object]:
-        return {"completed": 4, "failed": 0, "mean_ttft_ms": ttft, "prefix_cache_hit_rate": hit_rate, "kv_bytes_received_per_request": 2048.0}
+        return {
+            "completed": 4,
+            "failed": 0,
+            "mean_ttft_ms": ttft,
+            "prefix_cache_hit_rate": hit_rate,
+            "kv_bytes_received_per_request": 2048.0,
+        }
 
     lines = prefix.format_prefix_table({"off": result(100.0, None), "on": result(40.0, 0.75)}).splitlines()
     assert lines[1].split() == ["Metric", "off", "on", "on/off"]
@@ -55,13 +64,33 @@ def _prefix_args(*argv: str) -> argparse.Namespace:
 
 
 @pytest.mark.slow
-async def test_bench_prefix_runs_caching_off_and_on_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_bench_prefix_runs_caching_off_and_on_side_by_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     result_file = tmp_path / "prefix.json"
     args = _prefix_args(
-        "--configs", "off,on", "--num-prompts", "4", "--prefix-repetition-prefix-len", "32", "--prefix-repetition-suffix-len", "8",
-        "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "3", "--num-warmups", "0",
+        "--configs",
+        "off,on",
+        "--num-prompts",
+        "4",
+        "--prefix-repetition-prefix-len",
+        "32",
+        "--prefix-repetition-suffix-len",
+        "8",
+        "--prefix-repetition-num-prefixes",
+        "2",
+        "--prefix-repetition-output-len",
+        "3",
+        "--num-warmups",
+        "0",
         # One at a time: four at once could share one prefill step, where none finds another's blocks.
-        "--request-rate", "inf", "--max-concurrency", "1", "--disable-tqdm", "--result-filename", str(result_file),
+        "--request-rate",
+        "inf",
+        "--max-concurrency",
+        "1",
+        "--disable-tqdm",
+        "--result-filename",
+        str(result_file),
     )
     assert await asyncio.to_thread(prefix.main, args) == 0
     table = capsys.readouterr().out

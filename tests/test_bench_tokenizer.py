@@ -16,7 +16,10 @@ def test_tiny_is_the_byte_tokenizer() -> None:
 
 
 def test_a_model_directory_and_its_tokenizer_json_give_the_same_tokenizer(tokenizer_model_dir: pathlib.Path) -> None:
-    by_dir, by_file = load_tokenizer(str(tokenizer_model_dir)), load_tokenizer(str(tokenizer_model_dir / "tokenizer.json"))
+    by_dir, by_file = (
+        load_tokenizer(str(tokenizer_model_dir)),
+        load_tokenizer(str(tokenizer_model_dir / "tokenizer.json")),
+    )
     assert isinstance(by_dir, HFTokenizer) and isinstance(by_file, HFTokenizer)
     text = "Hello, world"
     assert by_dir.encode(text) == by_file.encode(text) != ByteTokenizer().encode(text)

@@ -26,11 +26,18 @@ def test_small_run_reports_verified_figures_as_json(capsys: pytest.CaptureFixtur
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["num_bytes"] == 8 << 20 and report["num_tokens"] == 64
     # Verified bit for bit: each repeat's gRPC pull and its same-host (shared-memory) pull.
-    assert report["num_verified_bytes"] == 2 * report["num_bytes"] * report["repeats"] and report["dst_blocks"] == "reversed"
-    assert report["grpc_gbps"] > 0 and report["tcp_gbps"] > 0 and report["shm_gbps"] > 0 and report["plain_grpc_gbps"] > 0
+    assert (
+        report["num_verified_bytes"] == 2 * report["num_bytes"] * report["repeats"]
+        and report["dst_blocks"] == "reversed"
+    )
+    assert (
+        report["grpc_gbps"] > 0 and report["tcp_gbps"] > 0 and report["shm_gbps"] > 0 and report["plain_grpc_gbps"] > 0
+    )
     assert report["ratio"] == pytest.approx(report["grpc_gbps"] / report["tcp_gbps"])
     assert report["shm_ratio"] == pytest.approx(report["shm_gbps"] / report["tcp_gbps"])
-    assert report["grpc_of_plain_grpc_median"] == pytest.approx(report["grpc_gbps_median"] / report["plain_grpc_gbps_median"])
+    assert report["grpc_of_plain_grpc_median"] == pytest.approx(
+        report["grpc_gbps_median"] / report["plain_grpc_gbps_median"]
+    )
     assert report["ratio"] > 0
     for role in ("prefill", "decode"):
         memory = report["memory"][role]
@@ -63,8 +70,12 @@ def test_rejects_non_positive_sizes(flag: str) -> None:
 
 def _pulled(**changes: object) -> Pulled:
     fields: dict[str, object] = {
-        "seconds": 0.1, "cpu_seconds": 0.1, "error": None, "first_token_id": FIRST_TOKEN_ID,
-        "checksums": [1, 2, 3], "is_guard_zero": True,
+        "seconds": 0.1,
+        "cpu_seconds": 0.1,
+        "error": None,
+        "first_token_id": FIRST_TOKEN_ID,
+        "checksums": [1, 2, 3],
+        "is_guard_zero": True,
     }
     return Pulled(**{**fields, **changes})  # type: ignore[arg-type]
 

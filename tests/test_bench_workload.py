@@ -23,9 +23,7 @@ from kvservice.client.bench.workload import (
 
 def test_random_lengths_stay_in_range_and_cover_it() -> None:
     # input 100, r=0.25 -> [75, 125]; output 8, r=0.25 -> [6, 10].
-    reqs = random_requests(
-        500, input_len=100, output_len=8, range_ratio=0.25, vocab_size=50, seed=1
-    )
+    reqs = random_requests(500, input_len=100, output_len=8, range_ratio=0.25, vocab_size=50, seed=1)
     assert len(reqs) == 500
     in_lens = {r.prompt_len for r in reqs}
     out_lens = {r.expected_output_len for r in reqs}
@@ -53,7 +51,9 @@ def test_random_rejects_bad_range_ratio(ratio: float) -> None:
 
 
 def test_prefix_repetition_shares_each_prefix_among_its_requests_only() -> None:
-    reqs = prefix_repetition_requests(12, prefix_len=32, suffix_len=8, num_prefixes=3, output_len=5, vocab_size=50, seed=3)
+    reqs = prefix_repetition_requests(
+        12, prefix_len=32, suffix_len=8, num_prefixes=3, output_len=5, vocab_size=50, seed=3
+    )
     assert len(reqs) == 12
     assert {(r.prompt_len, r.expected_output_len) for r in reqs} == {(40, 5)}
     assert all(0 <= t < 50 for r in reqs for t in r.prompt_token_ids)

@@ -15,7 +15,13 @@ import torch
 from gguf_models import GGUFSpec, random_block_quant_weight, random_state, write_gguf
 
 from kvservice import LLM, SamplingParams
-from kvservice.loading.gguf_loader import block_rows, gguf_block_quant_rows, gguf_model_config, gguf_state_dict, open_gguf
+from kvservice.loading.gguf_loader import (
+    block_rows,
+    gguf_block_quant_rows,
+    gguf_model_config,
+    gguf_state_dict,
+    open_gguf,
+)
 from kvservice.loading.model_loader import load_model
 from kvservice.model import model as model_module
 from kvservice.model.block_quant import BlockQuantWeight
@@ -33,8 +39,12 @@ def kernels() -> None:
 
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 6, 7, 9, 13, 16, 17, 64, 81, 300])
 # (1024, 288): rows of the output 4 KiB apart, which the buffered path sums in a tile of its own.
-@pytest.mark.parametrize(("shape", "is_signed"), [((960, 576), False), ((576, 1536), False), ((160, 288), True), ((1024, 288), False)])
-def test_kernel_equals_the_pytorch_formula(kernels: None, num_rows: int, shape: tuple[int, int], is_signed: bool) -> None:
+@pytest.mark.parametrize(
+    ("shape", "is_signed"), [((960, 576), False), ((576, 1536), False), ((160, 288), True), ((1024, 288), False)]
+)
+def test_kernel_equals_the_pytorch_formula(
+    kernels: None, num_rows: int, shape: tuple[int, int], is_signed: bool
+) -> None:
     weight = random_block_quant_weight(*shape, is_signed, seed=num_rows)
     x = torch.randn(num_rows, shape[1], generator=torch.Generator().manual_seed(7))
     # Only the order of each dot product's additions differs: float32 rounding, nothing more.
@@ -42,7 +52,9 @@ def test_kernel_equals_the_pytorch_formula(kernels: None, num_rows: int, shape: 
 
 
 @pytest.mark.parametrize(("shape", "is_signed"), [((960, 576), False), ((160, 288), True), ((1024, 288), False)])
-def test_a_rows_result_is_the_same_in_every_batch_of_four_or_more_rows(kernels: None, shape: tuple[int, int], is_signed: bool) -> None:
+def test_a_rows_result_is_the_same_in_every_batch_of_four_or_more_rows(
+    kernels: None, shape: tuple[int, int], is_signed: bool
+) -> None:
     # Decode batches take the direct path, prompt steps the buffered one, in row blocks: every
     # row's dot products still add in the same order, so batching never changes a result.
     weight = random_block_quant_weight(*shape, is_signed, seed=3)
@@ -90,7 +102,9 @@ def test_kernel_takes_a_non_contiguous_input(kernels: None) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-def test_blocks_dequantize_to_the_loaders_weights_exactly(tmp_path: pathlib.Path, qtype: str, dtype: torch.dtype) -> None:
+def test_blocks_dequantize_to_the_loaders_weights_exactly(
+    tmp_path: pathlib.Path, qtype: str, dtype: torch.dtype
+) -> None:
     path = write_gguf(tmp_path / f"{qtype}.gguf", SPEC, random_state(SPEC, 256, seed=5), qtype)
     file = open_gguf(path)
     config = gguf_model_config(file)
@@ -103,7 +117,9 @@ def test_blocks_dequantize_to_the_loaders_weights_exactly(tmp_path: pathlib.Path
 
 
 @pytest.mark.parametrize("num_rows", [1, 16])
-def test_bfloat16_kernel_reads_the_loaders_bfloat16_weights(kernels: None, tmp_path: pathlib.Path, num_rows: int) -> None:
+def test_bfloat16_kernel_reads_the_loaders_bfloat16_weights(
+    kernels: None, tmp_path: pathlib.Path, num_rows: int
+) -> None:
     """The kernel's own rounding of each weight to bfloat16 (not the PyTorch `dequantize`):
     one-hot rows of x pick single weights, which come back exactly."""
     path = write_gguf(tmp_path / "q4.gguf", SPEC, random_state(SPEC, 256, seed=6), "Q4_1")
@@ -123,12 +139,16 @@ def test_other_types_have_no_blocks(tmp_path: pathlib.Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gguf_models_use_the_blocks(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, dtype: torch.dtype) -> None:
+def test_gguf_models_use_the_blocks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, dtype: torch.dtype
+) -> None:
     monkeypatch.setattr(model_module, "has_native_bf16_matmul", lambda: False)
     path = write_gguf(tmp_path / "q4.gguf", SPEC, random_state(SPEC, 256, seed=2), "Q4_1")
     net = load_model(str(path), dtype=str(dtype).removeprefix("torch.")).model
     linears = {name: m for name, m in net.named_modules() if isinstance(m, Linear)}
-    assert all(m.block_quant is not None for m in linears.values()), [n for n, m in linears.items() if m.block_quant is None]
+    assert all(m.block_quant is not None for m in linears.values()), [
+        n for n, m in linears.items() if m.block_quant is None
+    ]
     for module in linears.values():
         assert module.block_quant is not None
         assert torch.equal(module.block_quant.dequantize(dtype), module.weight)

@@ -230,7 +230,9 @@ def test_template_styles_render_as_transformers(
 
 def test_llama3_style_token_ids_equal_transformers(ours: TemplateTokenizer, hf_tokenizer: Any) -> None:
     conversation = CONVERSATIONS["multi_turn"]
-    expected = hf_tokenizer.apply_chat_template(conversation, chat_template=LLAMA3_STYLE, tokenize=True, add_generation_prompt=True)
+    expected = hf_tokenizer.apply_chat_template(
+        conversation, chat_template=LLAMA3_STYLE, tokenize=True, add_generation_prompt=True
+    )
     expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
     token_ids = apply_chat_template(ours, conversation, chat_template=LLAMA3_STYLE)
     assert token_ids == expected
@@ -248,7 +250,9 @@ def test_tojson_is_plain_json_and_extra_kwargs_reach_the_template(ours: Template
         {"role": "user", "content": "never rendered (break)"},
     ]
     text = render_chat_template(ours, conversation, chat_template=TOOLS_AND_LOOPS, tools=TOOLS, extra_note="x")
-    assert text == hf_render(hf_tokenizer, conversation, TOOLS_AND_LOOPS, tools=TOOLS, extra_note="x", add_generation_prompt=True)
+    assert text == hf_render(
+        hf_tokenizer, conversation, TOOLS_AND_LOOPS, tools=TOOLS, extra_note="x", add_generation_prompt=True
+    )
     assert "<b>now</b> & later, e.g. Zürich" in text  # no HTML escaping, no \\u escapes
     assert "skipped by continue" not in text and "never rendered" not in text
     assert "hi (ann)" in text and "<|count|>1 5 x" in text  # one user turn before the break
@@ -258,9 +262,7 @@ def test_tojson_is_plain_json_and_extra_kwargs_reach_the_template(ours: Template
 
 
 @pytest.mark.parametrize("template_name", ["smollm2", *TEMPLATES])
-def test_text_parts_render_as_their_joined_text(
-    ours: TemplateTokenizer, hf_tokenizer: Any, template_name: str
-) -> None:
+def test_text_parts_render_as_their_joined_text(ours: TemplateTokenizer, hf_tokenizer: Any, template_name: str) -> None:
     template = TEMPLATES.get(template_name)
     parts = [
         {"role": "system", "content": [{"type": "text", "text": "Be kind."}]},
@@ -293,7 +295,10 @@ def test_validation_leaves_the_callers_messages_alone() -> None:
         ([{"role": 3, "content": "x"}], "messages[0].role"),
         ([{"role": "", "content": "x"}], "messages[0].role"),
         ([{"role": "user", "content": "x"}, {"role": "user", "content": 5}], "messages[1].content"),
-        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0].type"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "messages[0].content[0].type",
+        ),
         ([{"role": "user", "content": [{"type": "text", "text": 1}]}], "messages[0].content[0].text"),
         ([{"role": "user", "content": ["plain"]}], "messages[0].content[0].type"),
         ([{"role": "user", "content": "x", "extra": object()}], "messages[0].extra"),

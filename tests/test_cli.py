@@ -69,7 +69,9 @@ async def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[in
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server() -> AsyncIterator[str]:
     """A colocated (`--role both`) tiny server; yields its address."""
-    async with local_cluster("tiny", colocated=True, worker_args=["--num-threads", "1", "--num-blocks", "32"]) as cluster:
+    async with local_cluster(
+        "tiny", colocated=True, worker_args=["--num-threads", "1", "--num-blocks", "32"]
+    ) as cluster:
         yield cluster.address
 
 
@@ -92,7 +94,16 @@ async def test_subcommand_help(command: str, description: str, capsys: pytest.Ca
 
 async def test_generate_json(server: str) -> None:
     code, stdout, stderr = await kvservice(
-        "generate", "--target", server, "--prompt-token-ids", "1,2,3", "--max-tokens", "4", "--temperature", "0", "--json"
+        "generate",
+        "--target",
+        server,
+        "--prompt-token-ids",
+        "1,2,3",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+        "--json",
     )
     assert code == 0, stderr
     result = json.loads(stdout.strip().splitlines()[-1])
@@ -119,7 +130,9 @@ async def test_generate_stop_strings(server: str, capsys: pytest.CaptureFixture[
     code, out, err = await in_process(capsys, *args)
     assert code == 0, err
     text = json.loads(out.strip().splitlines()[-1])["text"]
-    index = next(i for i in range(1, len(text)) if text[i].isascii() and text[i].isprintable() and text.index(text[i]) == i)
+    index = next(
+        i for i in range(1, len(text)) if text[i].isascii() and text[i].isprintable() and text.index(text[i]) == i
+    )
     code, out, err = await in_process(capsys, *args, "--stop", "never seen", "--stop", text[index])
     assert code == 0, err
     result = json.loads(out.strip().splitlines()[-1])
@@ -192,8 +205,18 @@ async def test_demo_launches_asks_reports_and_stops(tmp_path: pathlib.Path) -> N
     """`kvservice demo` end to end (on tiny: the same path as on SmolLM2, faster): every
     question answered through /v1/chat/completions, the report printed, exit 0."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvservice", "demo", "--model", "tiny", "--max-tokens", "8", "--num-questions", "3",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        sys.executable,
+        "-m",
+        "kvservice",
+        "demo",
+        "--model",
+        "tiny",
+        "--max-tokens",
+        "8",
+        "--num-questions",
+        "3",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
     out, _ = await asyncio.wait_for(process.communicate(), 300)
     text = out.decode()
@@ -222,20 +245,33 @@ async def test_generate_chat_is_one_turn_with_the_models_template(server: str) -
 
 async def test_chat_keeps_the_history_and_quits_at_end_of_input(server: str) -> None:
     process = await asyncio.create_subprocess_exec(
-        KVSERVICE, "chat", "--target", server, "--max-tokens", "6",
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        KVSERVICE,
+        "chat",
+        "--target",
+        server,
+        "--max-tokens",
+        "6",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     stdout, stderr = await asyncio.wait_for(process.communicate(b"Hi\n\nAnd then?\n"), 120)
     assert process.returncode == 0, stderr.decode()
     _, first = tiny_chat([{"role": "user", "content": "Hi"}], 6)
-    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first}, {"role": "user", "content": "And then?"}]
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "And then?"},
+    ]
     _, second = tiny_chat(history, 6)
     # Three prompts (the empty line is skipped, end of input quits), each answer after its prompt.
     assert stdout.decode() == f"you> {first}\nyou> you> {second}\nyou> \n"
 
 
 @pytest.mark.parametrize("argv", [["serve", "--role", "both"], ["proxy", "--decode", "127.0.0.1:1"]])
-async def test_log_level_takes_any_case_and_only_real_levels(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+async def test_log_level_takes_any_case_and_only_real_levels(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     parser = build_parser(argv[0])
     assert parser.parse_args([*argv, "--log-level", "info"]).log_level == "INFO"
     assert parser.parse_args([*argv, "--log-level", "Debug"]).log_level == "DEBUG"

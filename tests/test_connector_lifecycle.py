@@ -3,10 +3,20 @@
 A `RecordingConnector` logs every worker-side call with its arguments; the tests drive the
 real engine, runner and context managers on the built-in `tiny` model (4 layers).
 """
+
 from __future__ import annotations
 
 import pytest
-from recording_connector import NUM_LAYERS, REMOTE, RecordingConnector, StepMeta, after_forward, forward_calls, no_forward_step, normal_step
+from recording_connector import (
+    NUM_LAYERS,
+    REMOTE,
+    RecordingConnector,
+    StepMeta,
+    after_forward,
+    forward_calls,
+    no_forward_step,
+    normal_step,
+)
 
 from kvservice.config import EngineConfig
 from kvservice.connector.base import KVConnectorBase
@@ -123,7 +133,9 @@ def test_deferred_step_leaves_save_and_clear_to_finalize(reference_tokens: list[
     # The deferred step sampled what an eager one does.
     assert runner_output.sampled_token_ids == {"r": [reference_tokens[0]]}
     assert runner_output.kv_connector_output is not None
-    outputs = engine.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids, runner_output.kv_connector_output)
+    outputs = engine.scheduler.update_from_output(
+        scheduler_output, runner_output.sampled_token_ids, runner_output.kv_connector_output
+    )
     assert [o.new_token_ids for o in outputs] == [[reference_tokens[0]]]
 
 
@@ -243,7 +255,9 @@ def test_load_errors_reported_by_the_lifecycle_make_the_scheduler_recompute(refe
 
 def test_load_errors_with_policy_fail_end_the_request_with_an_error() -> None:
     connector = RecordingConnector()
-    engine = make_engine(connector, EngineConfig(block_size=8, num_blocks=32, max_model_len=128, kv_load_failure_policy="fail"))
+    engine = make_engine(
+        connector, EngineConfig(block_size=8, num_blocks=32, max_model_len=128, kv_load_failure_policy="fail")
+    )
     engine.add_request(PROMPT, GREEDY, "r", {REMOTE: True})
     engine.step()
     connector.report_recving = {"r"}

@@ -35,9 +35,17 @@ def cache(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Pa
 def gguf_file(tmp_path: pathlib.Path) -> pathlib.Path:
     tokens, types, merges = sentencepiece_vocab()
     tokenizer = GGUFTokenizerSpec(
-        model="llama", tokens=tokens, token_types=types, merges=merges, bos_token_id=1, eos_token_id=2, unknown_token_id=0,
+        model="llama",
+        tokens=tokens,
+        token_types=types,
+        merges=merges,
+        bos_token_id=1,
+        eos_token_id=2,
+        unknown_token_id=0,
     )
-    return write_gguf(tmp_path / "model.gguf", SPEC, random_state(SPEC, len(tokens), seed=3), "Q4_1", tokenizer=tokenizer)
+    return write_gguf(
+        tmp_path / "model.gguf", SPEC, random_state(SPEC, len(tokens), seed=3), "Q4_1", tokenizer=tokenizer
+    )
 
 
 def _forbid_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,7 +64,12 @@ def test_the_second_load_reads_the_entry_and_builds_the_same_model(
     assert tokenizer is not None
     entry = converted_cache.entry_for(gguf_file)
     assert entry is not None and entry.parent.parent == cache
-    assert {p.name for p in entry.iterdir()} == {"config.json", "tokenizer.json", "tokenizer_config.json", "weights-float32.pt"}
+    assert {p.name for p in entry.iterdir()} == {
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "weights-float32.pt",
+    }
 
     _forbid_parsing(monkeypatch)
     assert load_model_config(str(gguf_file)) == config
@@ -68,9 +81,13 @@ def test_the_second_load_reads_the_entry_and_builds_the_same_model(
     # The same weights, block-quantized copies included.
     loaded, reference = second.engine.loaded.model.state_dict(), first.engine.loaded.model.state_dict()
     assert loaded.keys() == reference.keys() and all(torch.equal(loaded[k], reference[k]) for k in reference)
+
     def blocks(llm: LLM) -> dict[str, torch.Tensor]:
-        return {name: m.block_quant.dequantize() for name, m in llm.engine.loaded.model.named_modules()
-                if getattr(m, "block_quant", None) is not None}
+        return {
+            name: m.block_quant.dequantize()
+            for name, m in llm.engine.loaded.model.named_modules()
+            if getattr(m, "block_quant", None) is not None
+        }
 
     cached_blocks, converted_blocks = blocks(second), blocks(first)
     assert len(converted_blocks) == 4 * SPEC.num_layers  # qkv, o, gate_up, down (this vocabulary is no multiple of 16)
@@ -105,7 +122,9 @@ def test_a_damaged_entry_is_converted_again(
 def test_each_dtype_has_its_own_weights(cache: pathlib.Path, gguf_file: pathlib.Path) -> None:
     load_model(str(gguf_file), dtype="bfloat16")
     entry = converted_cache.entry_for(gguf_file)
-    assert entry is not None and (entry / "weights-bfloat16.pt").is_file() and not (entry / "weights-float32.pt").exists()
+    assert (
+        entry is not None and (entry / "weights-bfloat16.pt").is_file() and not (entry / "weights-float32.pt").exists()
+    )
     state, _ = converted_cache.read_weights(entry, torch.bfloat16) or ({}, {})
     assert state and all(t.dtype == torch.bfloat16 for k, t in state.items() if k.endswith("proj.weight"))
 

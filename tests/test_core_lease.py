@@ -46,7 +46,10 @@ def lease_path(tmp_path: pathlib.Path) -> str:
 
 def _decode_step(path: str, mode: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-c", _DECODE_STEP, path, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", _DECODE_STEP, path, mode],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -72,7 +75,9 @@ def _until(condition: object, what: str) -> None:
         time.sleep(0.001)
 
 
-def _waiting_decode_step(path: str, decode_steps: list[subprocess.Popen[str]], prefill: CoreLease) -> subprocess.Popen[str]:
+def _waiting_decode_step(
+    path: str, decode_steps: list[subprocess.Popen[str]], prefill: CoreLease
+) -> subprocess.Popen[str]:
     """A decode step in another process, once `prefill` sees it waiting for the turn."""
     decode = _decode_step(path, "once")
     decode_steps.append(decode)
@@ -114,7 +119,9 @@ def test_the_cycle_is_the_target_or_three_smoothed_decode_steps() -> None:
         DecodeCycle(0.0)
 
 
-def test_slow_decode_steps_widen_the_cycle_to_three_of_them(lease_path: str, decode_steps: list[subprocess.Popen[str]]) -> None:
+def test_slow_decode_steps_widen_the_cycle_to_three_of_them(
+    lease_path: str, decode_steps: list[subprocess.Popen[str]]
+) -> None:
     """Decode steps far longer than the target leave the prompts two of them, not a quarter of
     the target: while prompts wait, decode keeps about a third of the cores."""
     prefill = CoreLease(lease_path, LeaseRole.YIELDING, target_s=0.01)
@@ -159,7 +166,9 @@ def test_a_prefill_step_keeps_the_turn_within_its_quantum_and_while_nobody_waits
     assert [_read(second), _read(second)] == ["holding", "released"]  # the end of the step hands it over
 
 
-def test_the_turn_of_a_worker_that_died_holding_it_is_free(lease_path: str, decode_steps: list[subprocess.Popen[str]]) -> None:
+def test_the_turn_of_a_worker_that_died_holding_it_is_free(
+    lease_path: str, decode_steps: list[subprocess.Popen[str]]
+) -> None:
     decode = _decode_step(lease_path, "hold")
     decode_steps.append(decode)
     assert [_read(decode), _read(decode)] == ["waiting", "holding"]

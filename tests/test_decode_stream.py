@@ -35,7 +35,9 @@ PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4]]
 
 def _request(request_id: str, prompt: list[int], max_tokens: int) -> pb.DecodeRequest:
     params = pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return pb.DecodeRequest(request=pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt), sampling_params=params))
+    return pb.DecodeRequest(
+        request=pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt), sampling_params=params)
+    )
 
 
 @pytest_asyncio.fixture
@@ -94,7 +96,9 @@ async def test_requests_on_one_stream_get_their_greedy_tokens_batched_per_step(
     assert events.num_batches < events.num_responses, (events.num_batches, events.num_responses)
 
 
-async def test_a_cancelled_request_stops_and_the_others_go_on(decode_worker: tuple[DecodeWorkerService, pb_grpc.WorkerStub]) -> None:
+async def test_a_cancelled_request_stops_and_the_others_go_on(
+    decode_worker: tuple[DecodeWorkerService, pb_grpc.WorkerStub],
+) -> None:
     service, stub = decode_worker
     outgoing: asyncio.Queue[pb.DecodeStreamRequest | None] = asyncio.Queue()
 
@@ -120,7 +124,9 @@ async def test_a_cancelled_request_stops_and_the_others_go_on(decode_worker: tup
     await wait_for(lambda: _has_no_requests(service), "the engine to drop the cancelled request")
 
 
-async def test_a_bad_request_fails_alone_with_decodes_status(decode_worker: tuple[DecodeWorkerService, pb_grpc.WorkerStub]) -> None:
+async def test_a_bad_request_fails_alone_with_decodes_status(
+    decode_worker: tuple[DecodeWorkerService, pb_grpc.WorkerStub],
+) -> None:
     _, stub = decode_worker
     bad = _request("bad", PROMPTS[0], 4)
     bad.kv_transfer_params.remote_address = "unix:/tmp/x"  # not HOST:PORT: refused as Decode refuses it
@@ -211,7 +217,9 @@ async def test_a_call_past_its_deadline_fails_and_is_cancelled_on_the_worker(
         assert await _tokens(streams.open(_request("next", PROMPTS[1], 3), 30.0)) == tiny_greedy([PROMPTS[1]], 3)[0]
 
 
-async def test_cancelling_a_call_aborts_its_request_on_the_worker(decode_worker: tuple[DecodeWorkerService, pb_grpc.WorkerStub]) -> None:
+async def test_cancelling_a_call_aborts_its_request_on_the_worker(
+    decode_worker: tuple[DecodeWorkerService, pb_grpc.WorkerStub],
+) -> None:
     service, stub = decode_worker
     async with _proxy_streams(stub, "decode") as streams:
         call = streams.open(_request("left", PROMPTS[0], LONG), 30.0)
@@ -225,7 +233,9 @@ async def test_cancelling_a_call_aborts_its_request_on_the_worker(decode_worker:
 class _DecodeOnly(pb_grpc.WorkerServicer):
     """A decode worker from before DecodeStream: Decode calls only."""
 
-    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Decode(
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         rid = request.request.request_id
         yield pb.GenerateResponse(request_id=rid, token_ids=[7])
         yield pb.GenerateResponse(request_id=rid, token_ids=[8], finish_reason=pb.FINISH_REASON_LENGTH)
@@ -254,7 +264,9 @@ class _Breaking(pb_grpc.WorkerServicer):
         await context.send_initial_metadata(())  # as the protocol asks: the proxy writes after it
         first = await anext(aiter(requests))
         rid = first.start.request.request_id
-        yield pb.DecodeStreamBatch(events=[pb.DecodeStreamEvent(request_id=rid, response=pb.GenerateResponse(request_id=rid, token_ids=[5]))])
+        yield pb.DecodeStreamBatch(
+            events=[pb.DecodeStreamEvent(request_id=rid, response=pb.GenerateResponse(request_id=rid, token_ids=[5]))]
+        )
         await context.abort(grpc.StatusCode.UNAVAILABLE, "worker going away")
 
 
@@ -274,7 +286,8 @@ async def test_requests_on_a_broken_stream_fail_with_its_status_and_the_next_ope
 
 
 async def test_a_request_too_big_to_share_the_stream_gets_a_decode_call_of_its_own(
-    decode_worker: tuple[DecodeWorkerService, pb_grpc.WorkerStub], monkeypatch: pytest.MonkeyPatch,
+    decode_worker: tuple[DecodeWorkerService, pb_grpc.WorkerStub],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Past the worker's receive limit it fails alone, not with every request on the stream."""
     _, stub = decode_worker

@@ -96,7 +96,11 @@ def test_compose_services_wire_up() -> None:
     for name in WORKERS:
         assert "ports" not in services[name], name
     published = {p.split(":")[-2]: p.split(":")[-1] for p in services["proxy"]["ports"]}
-    assert published == {flag_value(proxy, f): flag_value(proxy, f) for f in PORT_FLAGS} == {"8000": "8000", "8080": "8080", "9090": "9090"}
+    assert (
+        published
+        == {flag_value(proxy, f): flag_value(proxy, f) for f in PORT_FLAGS}
+        == {"8000": "8000", "8080": "8080", "9090": "9090"}
+    )
     # A stopped worker drains: docker's kill deadline outlasts the worker's own grace period.
     for name in (*WORKERS, "proxy"):
         grace = float(flag_value(services[name]["command"], "--grace-period"))
@@ -129,17 +133,23 @@ def test_compose_gpu_override() -> None:
         assert "BASE_IMAGE" in gpu[name]["build"]["args"] and "cuda" in gpu[name]["build"]["args"]["BASE_IMAGE"]
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose (the compose spec schema) is not installed")
+@pytest.mark.skipif(
+    shutil.which("docker-compose") is None, reason="docker-compose (the compose spec schema) is not installed"
+)
 def test_compose_files_pass_docker_compose_config() -> None:
     for files in ([COMPOSE], [COMPOSE, COMPOSE_GPU]):
         args = [a for f in files for a in ("-f", str(f))]
-        result = subprocess.run(["docker-compose", *args, "--profile", "bench", "config", "-q"], capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            ["docker-compose", *args, "--profile", "bench", "config", "-q"], capture_output=True, text=True, timeout=60
+        )
         assert result.returncode == 0, result.stderr
 
 
 def test_kubernetes_manifests_validate() -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
-    documents = [doc for path in sorted((DOCKER / "k8s").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
+    documents = [
+        doc for path in sorted((DOCKER / "k8s").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc
+    ]
     kinds = {(doc["kind"], doc["metadata"]["name"]) for doc in documents}
     assert kinds >= {("ConfigMap", "kvservice-config")} | {
         (kind, f"kvservice-{role}") for kind in ("Deployment", "Service") for role in ("prefill", "decode", "proxy")
@@ -176,7 +186,9 @@ def test_kubernetes_manifests_validate() -> None:
         pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
         assert pre_stop[0] == "sleep" and float(pre_stop[1]) >= float(flag_value(proxy_argv, "--discovery-interval"))
         assert pod["terminationGracePeriodSeconds"] > float(pre_stop[1]) + grace, role
-        assert container["readinessProbe"]["grpc"]["port"] == next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+        assert container["readinessProbe"]["grpc"]["port"] == next(
+            p["containerPort"] for p in container["ports"] if p["name"] == "grpc"
+        )
     # The validator is not a rubber stamp: a misspelt probe field fails.
     broken = copy.deepcopy(next(d for d in documents if d["kind"] == "Deployment"))
     broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["prot"] = 8000
@@ -258,8 +270,11 @@ async def start(name: str, command: list[str], addresses: dict[str, str], log_di
     log = log_dir / f"{name}.log"
     with log.open("wb") as stderr:
         process = await asyncio.create_subprocess_exec(
-            *local_command(command, addresses), stdout=asyncio.subprocess.PIPE, stderr=stderr,
-            env={**os.environ, **WORKER_ENV}, start_new_session=True,
+            *local_command(command, addresses),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=stderr,
+            env={**os.environ, **WORKER_ENV},
+            start_new_session=True,
         )
     service = Service(name, process, log)
     assert process.stdout is not None
@@ -297,7 +312,9 @@ async def compose_up(log_dir: pathlib.Path) -> AsyncIterator[tuple[dict[str, Ser
     try:
         # The workers do not depend on each other: start them together, then the proxy.
         workers = [n for n, s in services.items() if "profiles" not in s and "depends_on" not in s]
-        started.update(zip(workers, await asyncio.gather(*(start(n, services[n]["command"], addresses, log_dir) for n in workers))))
+        started.update(
+            zip(workers, await asyncio.gather(*(start(n, services[n]["command"], addresses, log_dir) for n in workers)))
+        )
         for name, service in services.items():
             if name not in started and "profiles" not in service:
                 assert set(service["depends_on"]) <= set(started)
@@ -324,19 +341,25 @@ async def test_compose_commands_serve_together_and_bench_exits_0(tmp_path: pathl
         proxy = addresses[f"proxy:{flag_value(services['proxy']['command'], '--port')}"]
         async with KVServiceClient(proxy) as client:
             token_ids: list[int] = []
-            async for chunk in client.generate([1, 2, 3, 4, 5], max_tokens=6, temperature=0, ignore_eos=True, request_id=request_id, timeout=60):
+            async for chunk in client.generate(
+                [1, 2, 3, 4, 5], max_tokens=6, temperature=0, ignore_eos=True, request_id=request_id, timeout=60
+            ):
                 assert chunk.request_id == request_id
                 token_ids += chunk.token_ids
         assert len(token_ids) == 6
 
         bench = await asyncio.create_subprocess_exec(
-            *local_command(services["bench"]["command"], addresses), stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, env={**os.environ, **WORKER_ENV},
+            *local_command(services["bench"]["command"], addresses),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, **WORKER_ENV},
         )
         output, _ = await asyncio.wait_for(bench.communicate(), BENCH_TIMEOUT)
         assert bench.returncode == 0, output.decode()[-3000:]
         completed = re.search(rb"Successful requests:\s+(\d+)", output)
-        assert completed is not None and int(completed.group(1)) == int(flag_value(services["bench"]["command"], "--num-prompts")), output.decode()[-3000:]
+        assert completed is not None and int(completed.group(1)) == int(
+            flag_value(services["bench"]["command"], "--num-prompts")
+        ), output.decode()[-3000:]
 
     # The client's request id is in the INFO log of the proxy, the prefill and the decode worker.
     for name in ("proxy", "prefill", "decode"):

@@ -37,8 +37,20 @@ def _load_script() -> types.ModuleType:
 def test_quick_cpu_run_reports_every_figure_as_a_number(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "figures.json"
     result = subprocess.run(
-        [str(REPO / "scripts" / "device_check.sh"), "--device", "cpu", "--quick", "--out", str(out), "--time-limit", "140"],
-        capture_output=True, text=True, timeout=180, check=False,
+        [
+            str(REPO / "scripts" / "device_check.sh"),
+            "--device",
+            "cpu",
+            "--quick",
+            "--out",
+            str(out),
+            "--time-limit",
+            "140",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
     )
     report = json.loads(out.read_text())
     assert {name: step.get("error") for name, step in report["steps"].items()} == dict.fromkeys(

@@ -165,8 +165,14 @@ async def spawn(ns: Namespace, processes: list[asyncio.subprocess.Process], *arg
     from kvservice.runtime.process_env import WORKER_ENV
 
     process = await asyncio.create_subprocess_exec(
-        *ns.prefix(), sys.executable, "-m", "kvservice", *args, stdout=asyncio.subprocess.PIPE,
-        env={**os.environ, **WORKER_ENV}, start_new_session=True,
+        *ns.prefix(),
+        sys.executable,
+        "-m",
+        "kvservice",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, **WORKER_ENV},
+        start_new_session=True,
     )
     processes.append(process)
     assert process.stdout is not None
@@ -177,8 +183,23 @@ async def spawn(ns: Namespace, processes: list[asyncio.subprocess.Process], *arg
 
 
 def worker(ns: Namespace, processes: list[asyncio.subprocess.Process], role: str, host: int) -> asyncio.Task[str]:
-    args = ("serve", "--role", role, "--model", "tiny", "--num-blocks", "256", "--num-threads", "1", "--grace-period", "10",
-            "--host", ns.ip(host), "--port", str(PORT))
+    args = (
+        "serve",
+        "--role",
+        role,
+        "--model",
+        "tiny",
+        "--num-blocks",
+        "256",
+        "--num-threads",
+        "1",
+        "--grace-period",
+        "10",
+        "--host",
+        ns.ip(host),
+        "--port",
+        str(PORT),
+    )
     return asyncio.create_task(spawn(ns, processes, *args))
 
 
@@ -190,8 +211,10 @@ async def membership(client: KVServiceClient) -> dict[str, str]:
 
 async def follows(client: KVServiceClient, want: dict[str, str], since: float) -> float:
     """Seconds from `since` until the proxy's decode membership is `want`."""
+
     async def matches() -> bool:
         return await membership(client) == want
+
     await wait_for(matches, f"decode membership {want}", 30)
     return time.monotonic() - since
 
@@ -205,10 +228,27 @@ async def test_decode_workers_join_and_leave_by_dns_while_requests_stream() -> N
         ns.set_names({"prefill-pool": [p1], "decode-pool": [d1]})
         # d2 starts now but is not in DNS yet: it joins when the name gains its address.
         prefill_address, d1_address, d2_address = await asyncio.gather(
-            worker(ns, processes, "prefill", 3), worker(ns, processes, "decode", 4), worker(ns, processes, "decode", 5))
-        proxy = await spawn(ns, processes, "proxy", "--prefill-dns", f"prefill-pool:{PORT}", "--decode-dns", f"decode-pool:{PORT}",
-                            "--discovery-interval", str(DISCOVERY_INTERVAL_S), "--health-interval", "0.2", "--model", "tiny",
-                            "--host", ns.ip(2), "--port", "0")
+            worker(ns, processes, "prefill", 3), worker(ns, processes, "decode", 4), worker(ns, processes, "decode", 5)
+        )
+        proxy = await spawn(
+            ns,
+            processes,
+            "proxy",
+            "--prefill-dns",
+            f"prefill-pool:{PORT}",
+            "--decode-dns",
+            f"decode-pool:{PORT}",
+            "--discovery-interval",
+            str(DISCOVERY_INTERVAL_S),
+            "--health-interval",
+            "0.2",
+            "--model",
+            "tiny",
+            "--host",
+            ns.ip(2),
+            "--port",
+            "0",
+        )
         async with KVServiceClient(proxy) as client:
             await follows(client, {d1_address: "serving"}, time.monotonic())
             # The load runs until both membership changes are done and NUM_REQUESTS have completed.
@@ -222,7 +262,9 @@ async def test_decode_workers_join_and_leave_by_dns_while_requests_stream() -> N
                     i = started % NUM_REQUESTS
                     started += 1
                     tokens: list[int] = []
-                    async for chunk in client.generate(prompts[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True):
+                    async for chunk in client.generate(
+                        prompts[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
+                    ):
                         tokens.extend(chunk.token_ids)
                     if tokens != expected[i]:
                         mismatches.append(i)
@@ -238,6 +280,7 @@ async def test_decode_workers_join_and_leave_by_dns_while_requests_stream() -> N
 
                 async def d2_served() -> bool:
                     return (await worker_stats(d2_address)).num_finished_requests > 0
+
                 await wait_for(d2_served, "the new decode worker serving a request", 30)
                 # The first one scales down: no new requests, its in-flight ones finish, then it is dropped.
                 removed = time.monotonic()
@@ -271,13 +314,30 @@ async def test_two_proxies_route_the_same_workers_independently() -> None:
     expected = tiny_greedy(prompts, 8)
     async with namespace() as (ns, processes):
         ns.set_names({"prefill-pool": [ns.ip(3)], "decode-pool": [ns.ip(4), ns.ip(5)]})
-        await asyncio.gather(worker(ns, processes, "prefill", 3), worker(ns, processes, "decode", 4), worker(ns, processes, "decode", 5))
-        proxy_args = ("proxy", "--prefill-dns", f"prefill-pool:{PORT}", "--decode-dns", f"decode-pool:{PORT}",
-                      "--discovery-interval", "1", "--health-interval", "0.2", "--model", "tiny", "--port", "0")
+        await asyncio.gather(
+            worker(ns, processes, "prefill", 3), worker(ns, processes, "decode", 4), worker(ns, processes, "decode", 5)
+        )
+        proxy_args = (
+            "proxy",
+            "--prefill-dns",
+            f"prefill-pool:{PORT}",
+            "--decode-dns",
+            f"decode-pool:{PORT}",
+            "--discovery-interval",
+            "1",
+            "--health-interval",
+            "0.2",
+            "--model",
+            "tiny",
+            "--port",
+            "0",
+        )
         proxies = [await spawn(ns, processes, *proxy_args, "--host", ns.ip(host)) for host in (2, 6)]
         for proxy in proxies:
             async with KVServiceClient(proxy) as client:
-                await follows(client, {f"{ns.ip(4)}:{PORT}": "serving", f"{ns.ip(5)}:{PORT}": "serving"}, time.monotonic())
+                await follows(
+                    client, {f"{ns.ip(4)}:{PORT}": "serving", f"{ns.ip(5)}:{PORT}": "serving"}, time.monotonic()
+                )
 
         async def one(proxy: str, prompt: list[int]) -> list[int]:
             async with KVServiceClient(proxy) as client:
@@ -300,6 +360,8 @@ async def test_two_proxies_route_the_same_workers_independently() -> None:
         signalled = time.monotonic()
         for proxy in proxies:
             async with KVServiceClient(proxy) as client:
-                assert await follows(client, {address: "not_serving", f"{ns.ip(5)}:{PORT}": "serving"}, signalled) <= 1.0
+                assert (
+                    await follows(client, {address: "not_serving", f"{ns.ip(5)}:{PORT}": "serving"}, signalled) <= 1.0
+                )
         assert await asyncio.gather(*(one(proxies[i % 2], p) for i, p in enumerate(prompts[:4]))) == expected[:4]
         assert await asyncio.wait_for(draining.wait(), 30) == 0

@@ -40,10 +40,14 @@ RPC_TIMEOUT = 60.0  # the client deadline: a request that hangs fails the test
 # ---------------------------------------------------------------- helpers
 
 
-async def generate(client: KVServiceClient, prompt: Sequence[int], max_tokens: int, on_token: Callable[[], None] | None = None) -> list[int]:
+async def generate(
+    client: KVServiceClient, prompt: Sequence[int], max_tokens: int, on_token: Callable[[], None] | None = None
+) -> list[int]:
     token_ids: list[int] = []
     finish_reason = None
-    async for chunk in client.generate(prompt, timeout=RPC_TIMEOUT, max_tokens=max_tokens, temperature=0, ignore_eos=True):
+    async for chunk in client.generate(
+        prompt, timeout=RPC_TIMEOUT, max_tokens=max_tokens, temperature=0, ignore_eos=True
+    ):
         token_ids += chunk.token_ids
         finish_reason = chunk.finish_reason or finish_reason
         if on_token is not None and chunk.token_ids:
@@ -129,8 +133,11 @@ async def _kill_decode_under_load(c: LocalCluster) -> list[object]:
     victim = c.decode_addresses[0]
     async with KVServiceClient(c.address) as client:
         streaming = asyncio.Event()
-        tasks = [asyncio.create_task(generate(client, p, DECODE_KILL_MAX_TOKENS, streaming.set)) for p in DECODE_KILL_PROMPTS]
+        tasks = [
+            asyncio.create_task(generate(client, p, DECODE_KILL_MAX_TOKENS, streaming.set)) for p in DECODE_KILL_PROMPTS
+        ]
         try:
+
             async def victim_running() -> bool:
                 return streaming.is_set() and (await worker_stats(victim)).num_running_requests > 0
 
@@ -145,14 +152,20 @@ async def _kill_decode_under_load(c: LocalCluster) -> list[object]:
 async def test_decode_killed_without_migration_fails_affected_requests_and_frees_everything() -> None:
     """--migration-limit 0: each stream of the killed worker fails with UNAVAILABLE naming the cause; none hangs."""
     expected = tiny_greedy(DECODE_KILL_PROMPTS, DECODE_KILL_MAX_TOKENS)
-    async with cluster(num_prefill=1, num_decode=2, proxy_args=(*FAST_PROXY_ARGS, "--migration-limit", "0"),
-                       worker_args=(*BASE_WORKER_ARGS, "--kv-lease-seconds", "3")) as c:
+    async with cluster(
+        num_prefill=1,
+        num_decode=2,
+        proxy_args=(*FAST_PROXY_ARGS, "--migration-limit", "0"),
+        worker_args=(*BASE_WORKER_ARGS, "--kv-lease-seconds", "3"),
+    ) as c:
         results = await _kill_decode_under_load(c)
         failed = [r for r in results if isinstance(r, BaseException)]
         assert failed, "no request was on the killed decode worker"
         for error in failed:
             assert isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE, error
-            assert c.decode_addresses[0] in error.details() and "--migration-limit 0" in error.details(), error.details()
+            assert c.decode_addresses[0] in error.details() and "--migration-limit 0" in error.details(), (
+                error.details()
+            )
         for result, want in zip(results, expected):
             if not isinstance(result, BaseException):
                 assert result == want
@@ -220,7 +233,10 @@ async def test_staging_pool_stays_within_bound_under_a_slow_decode_consumer() ->
             finally:
                 for t in tasks:
                     t.cancel()
-        assert capacity == 1 << 20 and peak > 0, (peak, [type(r).__name__ if isinstance(r, BaseException) else len(r) for r in results])
+        assert capacity == 1 << 20 and peak > 0, (
+            peak,
+            [type(r).__name__ if isinstance(r, BaseException) else len(r) for r in results],
+        )
         for result, want in zip(results, expected):
             if isinstance(result, grpc.aio.AioRpcError):
                 assert result.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, result
@@ -262,7 +278,9 @@ async def test_overload_completes_or_refuses_every_request_and_frees_every_block
         async with KVServiceClient(c.address) as client:
             await asyncio.wait_for(asyncio.gather(*(one(i, client) for i in range(OVERLOAD_REQUESTS))), 150)
         elapsed = time.monotonic() - start
-        print(f"overload: {OVERLOAD_REQUESTS} requests at concurrency {OVERLOAD_CONCURRENCY}: {outcomes} in {elapsed:.1f} s")
+        print(
+            f"overload: {OVERLOAD_REQUESTS} requests at concurrency {OVERLOAD_CONCURRENCY}: {outcomes} in {elapsed:.1f} s"
+        )
         assert outcomes["ok"] + outcomes["RESOURCE_EXHAUSTED"] == OVERLOAD_REQUESTS
         assert outcomes["ok"] > 0
         await wait_until_idle(c.prefill_addresses + c.decode_addresses)

@@ -74,7 +74,13 @@ async def netns_deployment() -> AsyncIterator[tuple[object, Callable[..., object
 
     async def spawn(ns: str, *args: str, stdin: int | None = None) -> asyncio.subprocess.Process:
         process = await asyncio.create_subprocess_exec(
-            *pair.prefix(ns), sys.executable, *args, stdin=stdin, stdout=asyncio.subprocess.PIPE, env=env, start_new_session=True
+            *pair.prefix(ns),
+            sys.executable,
+            *args,
+            stdin=stdin,
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
         )
         processes.append(process)
         return process
@@ -90,13 +96,31 @@ async def netns_deployment() -> AsyncIterator[tuple[object, Callable[..., object
         worker = ["-m", "kvservice", "serve", "--model", "tiny", *BASE_WORKER_ARGS, "--port", "0"]
         prefill, decode = await asyncio.gather(
             ready(await spawn(pair.prefill_ns, *worker, "--role", "prefill", "--host", pair.prefill_ip)),
-            ready(await spawn(pair.decode_ns, *worker, "--role", "decode", "--host", pair.decode_ip, "--kv-transfer-timeout", "10")),
+            ready(
+                await spawn(
+                    pair.decode_ns, *worker, "--role", "decode", "--host", pair.decode_ip, "--kv-transfer-timeout", "10"
+                )
+            ),
         )
-        proxy = await ready(await spawn(
-            pair.decode_ns, "-m", "kvservice", "proxy", "--port", "0", *FAST_PROXY_ARGS, "--prefill", prefill, "--decode", decode
-        ))
+        proxy = await ready(
+            await spawn(
+                pair.decode_ns,
+                "-m",
+                "kvservice",
+                "proxy",
+                "--port",
+                "0",
+                *FAST_PROXY_ARGS,
+                "--prefill",
+                prefill,
+                "--decode",
+                decode,
+            )
+        )
 
-        async def run_client(prompts: list[list[int]], max_tokens: int, on_first: Callable[[], None] | None = None) -> list[object]:
+        async def run_client(
+            prompts: list[list[int]], max_tokens: int, on_first: Callable[[], None] | None = None
+        ) -> list[object]:
             client = await spawn(pair.decode_ns, "-c", _NETNS_CLIENT, stdin=asyncio.subprocess.PIPE)
             assert client.stdin is not None and client.stdout is not None
             job = {"address": proxy, "prompts": prompts, "max_tokens": max_tokens, "timeout": RPC_TIMEOUT}

@@ -35,8 +35,24 @@ pytestmark = pytest.mark.timeout(120)
 BLOCK_SIZE = 16
 NUM_BLOCKS = 32
 VOCAB_SIZE = load_model_config("tiny").vocab_size
-WORKER_ARGS = ["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "8", "--num-threads", "1", "--grace-period", "1"]
-CLEAN_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE}
+WORKER_ARGS = [
+    "--num-blocks",
+    str(NUM_BLOCKS),
+    "--block-size",
+    str(BLOCK_SIZE),
+    "--max-num-seqs",
+    "8",
+    "--num-threads",
+    "1",
+    "--grace-period",
+    "1",
+]
+CLEAN_CODES = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.OUT_OF_RANGE,
+}
 FUZZ = settings(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 REFERENCE_PROMPT = [11, 22, 33, 44, 55, 66, 77]
 TINY_CONFIG = load_model_config("tiny")
@@ -100,7 +116,9 @@ async def _reference(client: KVServiceClient) -> list[int]:
 
 # ---------------------------------------------------------------- the client API
 
-FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32), st.sampled_from([0.0, -0.0, 1.0, 1e-45, -1e-45, 2.0]))
+FLOATS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True, width=32), st.sampled_from([0.0, -0.0, 1.0, 1e-45, -1e-45, 2.0])
+)
 INT32 = st.one_of(st.integers(-(2**31), 2**31 - 1), st.integers(-2, 4))
 TOKEN_IDS = st.lists(st.one_of(st.integers(0, VOCAB_SIZE - 1), st.integers(-(2**31), 2**31 - 1)), max_size=40)
 
@@ -127,7 +145,12 @@ def wellformed_requests(draw: st.DrawFn) -> pb.GenerateRequest:
 @st.composite
 def hostile_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     sp = pb.SamplingParams(ignore_eos=draw(st.booleans()))
-    for name, values in (("temperature", FLOATS), ("top_p", FLOATS), ("top_k", INT32), ("seed", st.integers(-(2**63), 2**63 - 1))):
+    for name, values in (
+        ("temperature", FLOATS),
+        ("top_p", FLOATS),
+        ("top_k", INT32),
+        ("seed", st.integers(-(2**63), 2**63 - 1)),
+    ):
         if draw(st.booleans()):
             setattr(sp, name, draw(values))
     # Valid lengths stay short (the fuzz is about input, not decoding); invalid ones go far.
@@ -159,6 +182,7 @@ def test_fuzzed_generate_requests_get_clean_codes_and_leave_the_server_serving(s
         request = data.draw(wellformed_requests() if wellformed else hostile_requests())
         stub = pb_grpc.GenerationStub(client.channel)
         if streaming:
+
             async def drain() -> None:
                 async for _ in stub.Generate(request, timeout=30):
                     pass
@@ -181,7 +205,10 @@ def test_fuzzed_generate_requests_get_clean_codes_and_leave_the_server_serving(s
     assert servers.run(_reference(client)) == expected
 
 
-@pytest.mark.parametrize("field,value", [("temperature", math.nan), ("temperature", math.inf), ("temperature", -1.0), ("top_p", math.nan), ("top_p", 1.5)])
+@pytest.mark.parametrize(
+    "field,value",
+    [("temperature", math.nan), ("temperature", math.inf), ("temperature", -1.0), ("top_p", math.nan), ("top_p", 1.5)],
+)
 def test_non_finite_or_out_of_range_params_name_the_field(servers: Servers, field: str, value: float) -> None:
     request = pb.GenerateRequest(text="hi", sampling_params=pb.SamplingParams(max_tokens=2, **{field: value}))
     with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -218,9 +245,16 @@ def pull_requests(draw: st.DrawFn) -> pb.PullKVRequest:
 
 
 def test_fuzzed_pulls_never_get_data(servers: Servers) -> None:
-    pull = servers.prefill_channel.unary_stream(PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=None)
-    refused = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
-               grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.DEADLINE_EXCEEDED}
+    pull = servers.prefill_channel.unary_stream(
+        PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=None
+    )
+    refused = {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
 
     async def frames_and_code(request: pb.PullKVRequest) -> tuple[int, grpc.StatusCode]:
         num_frames = 0
@@ -239,10 +273,13 @@ def test_fuzzed_pulls_never_get_data(servers: Servers) -> None:
         assert num_frames == 0 and code in refused, (code, request)
 
     fuzz()
+
     async def worker_health() -> int:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        reply = await health_pb2_grpc.HealthStub(servers.prefill_channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        reply = await health_pb2_grpc.HealthStub(servers.prefill_channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
         return reply.status
 
     assert servers.run(worker_health()) == 1  # SERVING
@@ -253,17 +290,36 @@ def test_fuzzed_pulls_never_get_data(servers: Servers) -> None:
 
 @settings(FUZZ, max_examples=500)
 @given(
-    layer=st.integers(0, 2**32 - 1), first_block=st.integers(0, 2**32 - 1), num_blocks=st.integers(0, 2**32 - 1),
-    shape=st.lists(st.one_of(st.integers(0, 2**32 - 1), st.sampled_from(LAYOUT.blocks_shape(2))), max_size=7), num_payload_blocks=st.integers(0, 4),
-    request_id=st.sampled_from(["req-1", "req-2", ""]), num_blocks_in_transfer=st.integers(1, 12),
+    layer=st.integers(0, 2**32 - 1),
+    first_block=st.integers(0, 2**32 - 1),
+    num_blocks=st.integers(0, 2**32 - 1),
+    shape=st.lists(st.one_of(st.integers(0, 2**32 - 1), st.sampled_from(LAYOUT.blocks_shape(2))), max_size=7),
+    num_payload_blocks=st.integers(0, 4),
+    request_id=st.sampled_from(["req-1", "req-2", ""]),
+    num_blocks_in_transfer=st.integers(1, 12),
 )
 def test_fuzzed_chunk_headers_validate_only_inside_their_transfer(
-    layer: int, first_block: int, num_blocks: int, shape: list[int], num_payload_blocks: int, request_id: str, num_blocks_in_transfer: int
+    layer: int,
+    first_block: int,
+    num_blocks: int,
+    shape: list[int],
+    num_payload_blocks: int,
+    request_id: str,
+    num_blocks_in_transfer: int,
 ) -> None:
-    payload = torch.zeros(LAYOUT.blocks_shape(num_payload_blocks), dtype=LAYOUT.dtype) if num_payload_blocks else torch.zeros(0)
+    payload = (
+        torch.zeros(LAYOUT.blocks_shape(num_payload_blocks), dtype=LAYOUT.dtype)
+        if num_payload_blocks
+        else torch.zeros(0)
+    )
     frame = wire.encode_chunk(
-        request_id=request_id, layer=layer, first_block=first_block, num_blocks=num_blocks,
-        dtype=wire.dtype_name(LAYOUT.dtype), shape=shape, payload=wire.tensor_bytes(payload),
+        request_id=request_id,
+        layer=layer,
+        first_block=first_block,
+        num_blocks=num_blocks,
+        dtype=wire.dtype_name(LAYOUT.dtype),
+        shape=shape,
+        payload=wire.tensor_bytes(payload),
     )
     decoded = wire.decode_frame(frame)
     assert decoded.header is not None

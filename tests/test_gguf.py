@@ -39,8 +39,6 @@ MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-
-
 # ------------------------------------------------------------ quantization types
 
 # Every matrix is 256 wide, the K-quants' block size.
@@ -53,7 +51,9 @@ def reference_weights(path: pathlib.Path) -> dict[str, np.ndarray]:
     reader = gguf.GGUFReader(path)
     return {
         # A copy: F32 tensors come back as read-only views of the mapped file.
-        t.name: np.array(gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape))))
+        t.name: np.array(
+            gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
+        )
         for t in reader.tensors
     }
 
@@ -112,8 +112,16 @@ def tiny_hf_model(kind: str, path: pathlib.Path) -> tuple[pathlib.Path, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     torch.manual_seed(0)
     if kind == "llama":
@@ -189,7 +197,13 @@ def sentencepiece_gguf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tup
     # Scores fall with merge order, as a SentencePiece model's do.
     scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
     common = dict(
-        model="llama", tokens=tokens, token_types=types, scores=scores, bos_token_id=1, eos_token_id=2, unknown_token_id=0
+        model="llama",
+        tokens=tokens,
+        token_types=types,
+        scores=scores,
+        bos_token_id=1,
+        eos_token_id=2,
+        unknown_token_id=0,
     )
     with_merges = write_gguf(root / "merges.gguf", spec, state, tokenizer=GGUFTokenizerSpec(**common, merges=merges))
     scores_only = write_gguf(root / "scores.gguf", spec, state, tokenizer=GGUFTokenizerSpec(**common))
@@ -238,8 +252,14 @@ def test_byte_level_tokenizer_splits_as_transformers_does(tmp_path: pathlib.Path
     tokens, types, merges = byte_level_vocab(tmp_path)
     spec = GGUFSpec(arch="llama", hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2)
     tok_spec = GGUFTokenizerSpec(
-        model="gpt2", tokens=tokens, token_types=types, merges=merges, bos_token_id=1, eos_token_id=len(tokens) - 1,
-        add_bos_token=True, pre=pre,
+        model="gpt2",
+        tokens=tokens,
+        token_types=types,
+        merges=merges,
+        bos_token_id=1,
+        eos_token_id=len(tokens) - 1,
+        add_bos_token=True,
+        pre=pre,
     )
     path = write_gguf(tmp_path / f"{pre}.gguf", spec, random_state(spec, len(tokens)), tokenizer=tok_spec)
     ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)

@@ -26,7 +26,9 @@ def greedy_head_built() -> None:
     if not load_cpu_kernels():
         pytest.skip("the C++ kernels did not build here (the PyTorch path serves)")
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip("neither the AVX2 nor the AVX-512 build: models compute full logits (test_smollm2_* checks that path)")
+        pytest.skip(
+            "neither the AVX2 nor the AVX-512 build: models compute full logits (test_smollm2_* checks that path)"
+        )
     assert torch.ops.kvservice.greedy_head_supported(), "the AVX2 and AVX-512 builds serve the greedy head"
 
 
@@ -100,9 +102,13 @@ def test_the_op_rejects_arguments_it_cannot_read(greedy_head_built: None) -> Non
     head = GreedyHead.build(weight)
     x = torch.randn(4, 288)
     with pytest.raises(RuntimeError, match="code_offset"):
-        torch.ops.kvservice.greedy_head(x, head.vnni_codes, 0, weight.codes, weight.scales, weight.mins, head.abs_sums, True)
+        torch.ops.kvservice.greedy_head(
+            x, head.vnni_codes, 0, weight.codes, weight.scales, weight.mins, head.abs_sums, True
+        )
     with pytest.raises(RuntimeError, match="vnni_codes"):
-        torch.ops.kvservice.greedy_head(torch.randn(4, 320), head.vnni_codes, 128, weight.codes, weight.scales, weight.mins, head.abs_sums, True)
+        torch.ops.kvservice.greedy_head(
+            torch.randn(4, 320), head.vnni_codes, 128, weight.codes, weight.scales, weight.mins, head.abs_sums, True
+        )
 
 
 _TOKEN_TESTS = "full_logits_argmax or keep_them_in_the_estimates or first_index or decided_by_the_float32"
@@ -113,15 +119,32 @@ def test_the_avx2_estimates_give_the_same_tokens(greedy_head_built: None) -> Non
     """The AVX2 estimates (vpmaddubsw) serve CPUs without VNNI; where the CPU has it, they would
     go untested: this file's token tests again, with the op made to take them."""
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-m", "not slow", "-k", _TOKEN_TESTS],
-        env={**os.environ, "KVSERVICE_GREEDY_HEAD_DOT": "maddubs"}, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-m",
+            "not slow",
+            "-k",
+            _TOKEN_TESTS,
+        ],
+        env={**os.environ, "KVSERVICE_GREEDY_HEAD_DOT": "maddubs"},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:]
     assert "17 passed" in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_batches_take_the_head_and_keep_their_tokens(smollm2_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_smollm2_greedy_batches_take_the_head_and_keep_their_tokens(
+    smollm2_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A batch of greedy requests samples through `greedy_tokens` (the AVX2 and AVX-512 builds) and
     generates the tokens the full logits give; one that wants logprobs computes the logits."""
     model = smollm2_llm.engine.loaded.model

@@ -16,7 +16,19 @@ import secrets
 import grpc
 import pytest
 import torch
-from pd_pair import DECODE_PARAMS, LAYOUT, PREFILL_PARAMS, PROMPTS, WAIT, bits, dead_address, drive_decode, drive_prefill, pd_pair, prompt_blocks
+from pd_pair import (
+    DECODE_PARAMS,
+    LAYOUT,
+    PREFILL_PARAMS,
+    PROMPTS,
+    WAIT,
+    bits,
+    dead_address,
+    drive_decode,
+    drive_prefill,
+    pd_pair,
+    prompt_blocks,
+)
 
 from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN
 from kvservice.connector.kv_puller import LoadSpec, pull_kv
@@ -54,7 +66,9 @@ async def test_concurrent_transfers_equal_a_single_engine_and_blocks_are_bit_ide
         )
         await pair.wait_released(set(lengths))
         stats = pair.decode_connector.stats
-        assert (stats.num_transfers, stats.num_failed_transfers) == (len(PROMPTS), 0), "a pull failed: output came from a recompute"
+        assert (stats.num_transfers, stats.num_failed_transfers) == (len(PROMPTS), 0), (
+            "a pull failed: output came from a recompute"
+        )
         assert stats.num_shared_memory_bytes == (stats.num_bytes if use_shared_memory else 0) and stats.num_bytes > 0
         pair.assert_everything_free()
 

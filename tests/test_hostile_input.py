@@ -90,7 +90,9 @@ async def _drain(call: AsyncIterator[object]) -> None:
         pass
 
 
-async def refused_during_a_stream(channels: dict[str, grpc.aio.Channel], calls: dict[str, Hostile]) -> dict[str, tuple[grpc.StatusCode, str, float]]:
+async def refused_during_a_stream(
+    channels: dict[str, grpc.aio.Channel], calls: dict[str, Hostile]
+) -> dict[str, tuple[grpc.StatusCode, str, float]]:
     """Run `calls` one after another while a stream generates; returns (code, details,
     seconds) per call and asserts the stream's largest token gap."""
     stream_request = pb.GenerateRequest(
@@ -158,13 +160,17 @@ async def test_a_stop_id_outside_the_vocabulary_is_invalid(channels: dict[str, g
 
 
 async def test_a_5m_token_prompt_is_refused_fast(channels: dict[str, grpc.aio.Channel]) -> None:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 5_000_000), sampling_params=pb.SamplingParams(max_tokens=4))
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[1] * 5_000_000), sampling_params=pb.SamplingParams(max_tokens=4)
+    )
     assert request.ByteSize() < MAX_RECEIVE_MESSAGE_BYTES  # reaches the servicers: refused by length
     assert_refused(await refused_during_a_stream(channels, hostile_calls(channels, request)), "prompt")
 
 
 async def test_a_message_past_the_servers_limit_is_refused_unread(channels: dict[str, grpc.aio.Channel]) -> None:
-    request = pb.GenerateRequest(text="x" * (MAX_RECEIVE_MESSAGE_BYTES + 1024), sampling_params=pb.SamplingParams(max_tokens=4))
+    request = pb.GenerateRequest(
+        text="x" * (MAX_RECEIVE_MESSAGE_BYTES + 1024), sampling_params=pb.SamplingParams(max_tokens=4)
+    )
     for name, call in hostile_calls(channels, request).items():
         started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -174,19 +180,26 @@ async def test_a_message_past_the_servers_limit_is_refused_unread(channels: dict
 
 
 async def test_an_http_body_past_the_limit_gets_413(cluster: LocalCluster) -> None:
-    body = b'{"model": "kvservice", "prompt": [' + b"1," * (16 << 20) + b'1]}'
+    body = b'{"model": "kvservice", "prompt": [' + b"1," * (16 << 20) + b"1]}"
     started = time.monotonic()
     async with aiohttp.ClientSession() as session:
-        async with session.post(f"http://{cluster.child('proxy').http_address}/v1/completions", data=body,
-                                headers={"Content-Type": "application/json"}) as response:
+        async with session.post(
+            f"http://{cluster.child('proxy').http_address}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        ) as response:
             assert response.status == 413
             assert "request body" in (await response.json())["error"]["message"]
     assert time.monotonic() - started < REFUSAL_DEADLINE_S
 
 
 @pytest.mark.parametrize("request_id", ["x" * 4096, "a\x00b", "line\nbreak"], ids=["4KiB", "nul", "newline"])
-async def test_a_bad_request_id_is_refused_fast_everywhere(channels: dict[str, grpc.aio.Channel], request_id: str) -> None:
-    request = pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling_params=pb.SamplingParams(max_tokens=4))
+async def test_a_bad_request_id_is_refused_fast_everywhere(
+    channels: dict[str, grpc.aio.Channel], request_id: str
+) -> None:
+    request = pb.GenerateRequest(
+        request_id=request_id, token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling_params=pb.SamplingParams(max_tokens=4)
+    )
     calls = hostile_calls(channels, request)
     token = b"t" * 32
     calls["prefill.ReleaseKV"] = lambda: pb_grpc.WorkerStub(channels["prefill"]).ReleaseKV(
@@ -195,7 +208,9 @@ async def test_a_bad_request_id_is_refused_fast_everywhere(channels: dict[str, g
     pull = channels["prefill"].unary_stream(
         PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=bytes
     )
-    calls["prefill.PullKV"] = lambda: _drain(pull(pb.PullKVRequest(request_id=request_id, transfer_token=token), timeout=30))
+    calls["prefill.PullKV"] = lambda: _drain(
+        pull(pb.PullKVRequest(request_id=request_id, transfer_token=token), timeout=30)
+    )
     assert_refused(await refused_during_a_stream(channels, calls), "request_id")
 
 
@@ -203,7 +218,9 @@ async def _decode_stats(channels: dict[str, grpc.aio.Channel]) -> pb.StatsRespon
     return await pb_grpc.WorkerStub(channels["decode"]).Stats(pb.StatsRequest(), timeout=10)
 
 
-async def _wait_for_decode(channels: dict[str, grpc.aio.Channel], predicate: Callable[[pb.StatsResponse], bool], timeout: float) -> pb.StatsResponse:
+async def _wait_for_decode(
+    channels: dict[str, grpc.aio.Channel], predicate: Callable[[pb.StatsResponse], bool], timeout: float
+) -> pb.StatsResponse:
     """Poll the decode worker's Stats until `predicate` holds (its state has no event to wait on)."""
     deadline = time.monotonic() + timeout
     while not predicate(stats := await _decode_stats(channels)):
@@ -218,9 +235,13 @@ async def test_a_client_that_hangs_up_on_a_completion_stops_its_generation(
     before = await _wait_for_decode(channels, lambda s: s.num_running_requests == 0, 30)
     host, port = cluster.child("proxy").http_address.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
-    body = json.dumps({"model": "kvservice", "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "temperature": 0}).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    body = json.dumps(
+        {"model": "kvservice", "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
+    ).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     await writer.drain()
     await _wait_for_decode(channels, lambda s: s.num_running_requests == 1, 30)
     writer.close()  # the client gives up on its non-streaming request

@@ -28,7 +28,20 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
-from pd_pair import MAX_STEPS, PREFILL_PARAMS, PROMPTS, WAIT, ObservedRegistry, Pair, Relay, dead_address, drive_decode, drive_prefill, pd_pair, relay
+from pd_pair import (
+    MAX_STEPS,
+    PREFILL_PARAMS,
+    PROMPTS,
+    WAIT,
+    ObservedRegistry,
+    Pair,
+    Relay,
+    dead_address,
+    drive_decode,
+    drive_prefill,
+    pd_pair,
+    relay,
+)
 
 from kvservice.connector import wire
 from kvservice.connector.base import TRANSFER_TOKEN
@@ -90,7 +103,9 @@ class Prefill:
 async def prefill() -> AsyncIterator[Prefill]:
     registry = ObservedRegistry(StagingPool(16 * LAYOUT.bytes_per_block), LAYOUT, lease_seconds=LEASE_S)
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    server.add_generic_rpc_handlers([KVTransferService(registry, registration_timeout=REGISTRATION_TIMEOUT_S).handler()])
+    server.add_generic_rpc_handlers(
+        [KVTransferService(registry, registration_timeout=REGISTRATION_TIMEOUT_S).handler()]
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     generator = torch.Generator().manual_seed(0)
@@ -108,7 +123,9 @@ class Decode:
         self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self.caches = allocate_kv_caches(LAYOUT, NUM_BLOCKS + 2, torch.device("cpu"))
         spec = LoadSpec("r", address, TOKEN, list(range(1, 1 + NUM_BLOCKS)), NUM_TOKENS)
-        self.task = asyncio.create_task(pull_kv(self.channel, spec, self.caches, LAYOUT, PULL_TIMEOUT_S, KVTransferCounters()))
+        self.task = asyncio.create_task(
+            pull_kv(self.channel, spec, self.caches, LAYOUT, PULL_TIMEOUT_S, KVTransferCounters())
+        )
 
     async def result(self) -> LoadResult | None:
         """The pull's result; None when it was cancelled. Never waits past WAIT_S."""
@@ -241,8 +258,13 @@ async def test_a_release_while_the_done_frame_is_on_its_way_is_a_no_op(prefill: 
     fail it under the finished pull (seen as a 1-in-20 flake of late_duplicate_completion)."""
     prefill.finish(prefill.register())
     request = pb.PullKVRequest(
-        request_id="r", transfer_token=TOKEN, num_layers=LAYOUT.num_layers, block_size=LAYOUT.block_size,
-        num_kv_heads=LAYOUT.num_kv_heads, head_dim=LAYOUT.head_dim, dtype=wire.dtype_name(LAYOUT.dtype),
+        request_id="r",
+        transfer_token=TOKEN,
+        num_layers=LAYOUT.num_layers,
+        block_size=LAYOUT.block_size,
+        num_kv_heads=LAYOUT.num_kv_heads,
+        head_dim=LAYOUT.head_dim,
+        dtype=wire.dtype_name(LAYOUT.dtype),
     )
     frames = KVTransferService(prefill.registry).pull_kv(request, cast(grpc.aio.ServicerContext, _Context()))
     async for frame in frames:
@@ -269,20 +291,36 @@ DECODE_REGISTRATION_TIMEOUT_S = 3.0  # a pull left waiting for a prefill that ne
 # itself was killed: only the prefill side is left to check).
 EXPECTED: dict[str, dict[str, str]] = {
     "waiting": {
-        "client_abort": "aborted", "kill_prefill": "recomputed", "kill_decode": "dead",
-        "dropped_stream": "recomputed", "lease_expiry": "recomputed", "late_duplicate_completion": "pulled",
+        "client_abort": "aborted",
+        "kill_prefill": "recomputed",
+        "kill_decode": "dead",
+        "dropped_stream": "recomputed",
+        "lease_expiry": "recomputed",
+        "late_duplicate_completion": "pulled",
     },
     "pulling": {
-        "client_abort": "aborted", "kill_prefill": "recomputed", "kill_decode": "dead",
-        "dropped_stream": "recomputed", "lease_expiry": "pulled", "late_duplicate_completion": "pulled",
+        "client_abort": "aborted",
+        "kill_prefill": "recomputed",
+        "kill_decode": "dead",
+        "dropped_stream": "recomputed",
+        "lease_expiry": "pulled",
+        "late_duplicate_completion": "pulled",
     },
     "loaded": {
-        "client_abort": "aborted", "kill_prefill": "pulled", "kill_decode": "dead",
-        "dropped_stream": "pulled", "lease_expiry": "pulled", "late_duplicate_completion": "pulled",
+        "client_abort": "aborted",
+        "kill_prefill": "pulled",
+        "kill_decode": "dead",
+        "dropped_stream": "pulled",
+        "lease_expiry": "pulled",
+        "late_duplicate_completion": "pulled",
     },
     "recompute": {
-        "client_abort": "aborted", "kill_prefill": "recomputed", "kill_decode": "dead",
-        "dropped_stream": "recomputed", "lease_expiry": "recomputed", "late_duplicate_completion": "recomputed",
+        "client_abort": "aborted",
+        "kill_prefill": "recomputed",
+        "kill_decode": "dead",
+        "dropped_stream": "recomputed",
+        "lease_expiry": "recomputed",
+        "late_duplicate_completion": "recomputed",
     },
     "aborted_while_pulling": dict.fromkeys(FAULTS, "aborted") | {"kill_decode": "dead"},
 }
@@ -323,7 +361,10 @@ async def _enter_decode_state(h: Handoff, state: str) -> None:
     sched = h.pair.decode.scheduler
     if state == "recompute":
         h.add_decode(dead_address())  # the prefill never comes: the pull fails at once
-        await h.step_decode_until(lambda: h.pair.decode_connector.stats.num_failed_transfers == 1 and "r" not in sched.waiting_for_remote_kv, "gave the pull up")
+        await h.step_decode_until(
+            lambda: h.pair.decode_connector.stats.num_failed_transfers == 1 and "r" not in sched.waiting_for_remote_kv,
+            "gave the pull up",
+        )
         return
     if state != "waiting":
         h.add_prefill()
@@ -367,7 +408,9 @@ async def _inject_decode_fault(h: Handoff, fault: str) -> None:
 
 def _assert_decode_free(h: Handoff) -> None:
     engine = h.pair.decode
-    assert engine.num_free_blocks == engine.num_blocks and engine.scheduler.kv.block_tables == {}, "decode blocks leaked"
+    assert engine.num_free_blocks == engine.num_blocks and engine.scheduler.kv.block_tables == {}, (
+        "decode blocks leaked"
+    )
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -408,5 +451,7 @@ async def test_every_decode_state_survives_every_fault(state: str, fault: str, r
         try:
             await asyncio.wait_for(pair.registry.wait_until_empty(), WAIT)
         except TimeoutError:
-            raise AssertionError(f"{pair.registry.pool.bytes_in_use} staging bytes left after {fault} in {state}") from None
+            raise AssertionError(
+                f"{pair.registry.pool.bytes_in_use} staging bytes left after {fault} in {state}"
+            ) from None
         assert pair.prefill.num_free_blocks == pair.prefill.num_blocks, "prefill blocks leaked"

@@ -11,7 +11,18 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import pytest
 import torch
-from pd_pair import BLOCK_SIZE, DECODE_CONFIG, DECODE_PARAMS, LAYOUT, MAX_TOKENS, PROMPTS, WAIT, bits, drive_decode, pd_pair
+from pd_pair import (
+    BLOCK_SIZE,
+    DECODE_CONFIG,
+    DECODE_PARAMS,
+    LAYOUT,
+    MAX_TOKENS,
+    PROMPTS,
+    WAIT,
+    bits,
+    drive_decode,
+    pd_pair,
+)
 
 from kvservice.connector import wire
 from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN
@@ -54,7 +65,9 @@ def chunk_frame(request_id: str, layer: int = 0, **overrides: object) -> bytes:
 
 
 def done_frame(request_id: str, num_chunks: int) -> bytes:
-    return wire.encode_done(request_id=request_id, first_token_id=FIRST_TOKEN, num_chunks=num_chunks, num_bytes=0, num_tokens=7)
+    return wire.encode_done(
+        request_id=request_id, first_token_id=FIRST_TOKEN, num_chunks=num_chunks, num_bytes=0, num_tokens=7
+    )
 
 
 # case -> (the frames the fake prefill sends: one bad chunk, then a done frame; the field the error must name)
@@ -82,8 +95,13 @@ def tiny_frames(rid: str, num_tokens: int, first_token_id: int) -> list[bytes]:
     payload = wire.tensor_bytes(torch.zeros(LAYOUT.blocks_shape(num_blocks)))
     frames = [
         wire.encode_chunk(
-            request_id=rid, layer=layer, first_block=0, num_blocks=num_blocks, dtype="float32",
-            shape=LAYOUT.blocks_shape(num_blocks), payload=payload,
+            request_id=rid,
+            layer=layer,
+            first_block=0,
+            num_blocks=num_blocks,
+            dtype="float32",
+            shape=LAYOUT.blocks_shape(num_blocks),
+            payload=payload,
         )
         for layer in range(LAYOUT.num_layers)
     ]
@@ -157,7 +175,9 @@ async def test_malformed_chunk_is_rejected_without_touching_the_cache(case: str,
         assert torch.equal(bits(caches[layer]), bits(before[layer])), f"layer {layer} was written"
 
 
-async def test_first_token_outside_the_vocabulary_is_a_failed_load(fake_prefill: str, reference: list[list[int]]) -> None:
+async def test_first_token_outside_the_vocabulary_is_a_failed_load(
+    fake_prefill: str, reference: list[list[int]]
+) -> None:
     """A peer's done frame names a token the model does not have: the decode engine must treat
     the load as failed (and recompute), never feed the id to the model or to the client."""
     async with pd_pair() as pair:
@@ -180,9 +200,13 @@ class _Peer:
         self.num_pulls = 0
         self.pulled = asyncio.Event()
         self.server = grpc.aio.server()
-        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-            "kvservice.v1.KVTransfer", {"PullKV": grpc.unary_stream_rpc_method_handler(self.pull)}
-        )])
+        self.server.add_generic_rpc_handlers(
+            [
+                grpc.method_handlers_generic_handler(
+                    "kvservice.v1.KVTransfer", {"PullKV": grpc.unary_stream_rpc_method_handler(self.pull)}
+                )
+            ]
+        )
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
 
     async def pull(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:

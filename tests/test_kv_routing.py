@@ -13,7 +13,16 @@ import random
 
 import grpc
 import pytest
-from conftest import all_worker_stats, local_cluster, metric_value, scrape, tiny_greedy, wait_for, wait_for_stats, worker_stats
+from conftest import (
+    all_worker_stats,
+    local_cluster,
+    metric_value,
+    scrape,
+    tiny_greedy,
+    wait_for,
+    wait_for_stats,
+    worker_stats,
+)
 
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
@@ -49,13 +58,17 @@ async def wait_until_indexed(cluster: LocalCluster, address: str, num_blocks: in
     await wait_for(indexed, f"{num_blocks} blocks of {address} in the proxy's index")
 
 
-async def wait_for_finished(addresses: list[str], before: dict[str, pb.StatsResponse], increments: dict[str, int]) -> dict[str, pb.StatsResponse]:
+async def wait_for_finished(
+    addresses: list[str], before: dict[str, pb.StatsResponse], increments: dict[str, int]
+) -> dict[str, pb.StatsResponse]:
     """Each worker's Stats once its finished requests grew by `increments` (the end of a stream
     reaches the client a moment before the worker counts it)."""
     return await wait_for_stats(
-        addresses, lambda stats: all(
+        addresses,
+        lambda stats: all(
             stats[a].num_finished_requests - before[a].num_finished_requests >= increments.get(a, 0) for a in addresses
-        ), "the requests counted",
+        ),
+        "the requests counted",
     )
 
 
@@ -68,7 +81,9 @@ async def test_requests_sharing_a_prefix_go_to_the_decode_worker_that_holds_it()
         before = await all_worker_stats(decoders)
         assert await complete(cluster.address, prompts[0]) == expected[0]
         after_first = await wait_for_stats(
-            decoders, lambda s: sum(s[a].num_finished_requests - before[a].num_finished_requests for a in decoders) == 1, "one finished",
+            decoders,
+            lambda s: sum(s[a].num_finished_requests - before[a].num_finished_requests for a in decoders) == 1,
+            "one finished",
         )
         [holder] = [a for a in decoders if after_first[a].num_finished_requests > before[a].num_finished_requests]
         [other] = [a for a in decoders if a != holder]
@@ -88,17 +103,26 @@ async def test_round_robin_alternates_even_when_one_decode_worker_holds_the_prom
     prompt = random_tokens(6 * BLOCK_SIZE, seed=7)
     expected = tiny_greedy([prompt], MAX_TOKENS)[0]
     proxy_args = ("--routing", "round-robin")
-    async with local_cluster("tiny", num_prefill=1, num_decode=2, worker_args=WORKER_ARGS, proxy_args=proxy_args) as cluster:
+    async with local_cluster(
+        "tiny", num_prefill=1, num_decode=2, worker_args=WORKER_ARGS, proxy_args=proxy_args
+    ) as cluster:
         decoders = cluster.decode_addresses
         before = await all_worker_stats(decoders)
         finished: list[str] = []
         for i in range(4):
             assert await complete(cluster.address, prompt) == expected
             stats = await wait_for_stats(
-                decoders, lambda s, n=i + 1: sum(s[a].num_finished_requests - before[a].num_finished_requests for a in decoders) == n,
+                decoders,
+                lambda s, n=i + 1: (
+                    sum(s[a].num_finished_requests - before[a].num_finished_requests for a in decoders) == n
+                ),
                 "the request counted",
             )
-            [latest] = [a for a in decoders if stats[a].num_finished_requests - before[a].num_finished_requests > finished.count(a)]
+            [latest] = [
+                a
+                for a in decoders
+                if stats[a].num_finished_requests - before[a].num_finished_requests > finished.count(a)
+            ]
             finished.append(latest)
         assert finished[0] != finished[1] and finished[::2] == [finished[0]] * 2 and finished[1::2] == [finished[1]] * 2
 
@@ -107,15 +131,21 @@ async def test_least_loaded_sends_requests_to_the_idle_decode_worker() -> None:
     short = random_tokens(24, seed=8)
     expected = tiny_greedy([short], MAX_TOKENS)[0]
     worker_args = ("--num-blocks", "256", "--num-threads", "1")
-    async with local_cluster("tiny", num_prefill=1, num_decode=2, worker_args=worker_args, proxy_args=("--routing", "least-loaded")) as cluster:
+    async with local_cluster(
+        "tiny", num_prefill=1, num_decode=2, worker_args=worker_args, proxy_args=("--routing", "least-loaded")
+    ) as cluster:
         decoders = cluster.decode_addresses
         async with KVServiceClient(cluster.address) as client:
             # A long request keeps one decode worker busy (it is cancelled at the end, not awaited).
-            long = client.generate(random_tokens(20, seed=9), timeout=120, max_tokens=2000, temperature=0, ignore_eos=True)
+            long = client.generate(
+                random_tokens(20, seed=9), timeout=120, max_tokens=2000, temperature=0, ignore_eos=True
+            )
             try:
                 await anext(long)
                 busy_stats = await wait_for_stats(
-                    decoders, lambda s: sum(s[a].num_running_requests for a in decoders) == 1, "the long request running",
+                    decoders,
+                    lambda s: sum(s[a].num_running_requests for a in decoders) == 1,
+                    "the long request running",
                 )
                 [busy] = [a for a in decoders if busy_stats[a].num_running_requests == 1]
                 [idle] = [a for a in decoders if a != busy]
@@ -133,14 +163,18 @@ async def test_short_prompts_and_next_turns_never_reach_the_prefill_worker() -> 
     first_turn = random_tokens(200, seed=3)
     long_prompt = random_tokens(300, seed=4)
     proxy_args = ("--max-local-prefill-tokens", "128", "--metrics-port", "0")
-    async with local_cluster("tiny", num_prefill=1, num_decode=1, worker_args=WORKER_ARGS, proxy_args=proxy_args) as cluster:
+    async with local_cluster(
+        "tiny", num_prefill=1, num_decode=1, worker_args=WORKER_ARGS, proxy_args=proxy_args
+    ) as cluster:
         [prefill], [decode] = cluster.prefill_addresses, cluster.decode_addresses
         start = await worker_stats(prefill)
 
         assert await complete(cluster.address, short) == tiny_greedy([short], MAX_TOKENS)[0]
         answer = await complete(cluster.address, first_turn)  # 200 tokens: disaggregated
         assert answer == tiny_greedy([first_turn], MAX_TOKENS)[0]
-        after_first_turn = await wait_for_stats([prefill], lambda s: s[prefill].num_finished_requests == start.num_finished_requests + 1, "one prefill")
+        after_first_turn = await wait_for_stats(
+            [prefill], lambda s: s[prefill].num_finished_requests == start.num_finished_requests + 1, "one prefill"
+        )
         # The decode worker caches the first turn and its answer: 207 tokens computed, 12 full blocks.
         await wait_until_indexed(cluster, decode, (len(first_turn) + MAX_TOKENS - 1) // BLOCK_SIZE)
         second_turn = first_turn + answer + random_tokens(5, seed=5)
@@ -150,7 +184,11 @@ async def test_short_prompts_and_next_turns_never_reach_the_prefill_worker() -> 
         assert unchanged.prefix_cache.queries == after_first_turn[prefill].prefix_cache.queries
 
         assert await complete(cluster.address, long_prompt) == tiny_greedy([long_prompt], MAX_TOKENS)[0]
-        await wait_for_stats([prefill], lambda s: s[prefill].num_finished_requests == unchanged.num_finished_requests + 1, "the long prompt prefilled")
+        await wait_for_stats(
+            [prefill],
+            lambda s: s[prefill].num_finished_requests == unchanged.num_finished_requests + 1,
+            "the long prompt prefilled",
+        )
         stats = await worker_stats(decode)
         assert stats.kv_receiving.num_failed_transfers == 0
         # The proxy counts where each prompt was prefilled: the short one and the next turn locally.

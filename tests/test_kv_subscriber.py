@@ -41,7 +41,9 @@ class FaultyWorker(EngineWorkerService):
         self.kill_on_next = False
         self.drop_next = False
 
-    async def SubscribeKVEvents(self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KVEventBatch]:
+    async def SubscribeKVEvents(
+        self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KVEventBatch]:
         async for batch in super().SubscribeKVEvents(request, context):
             if self.kill_on_next:
                 self.kill_on_next = self.is_blackout = False

@@ -37,10 +37,33 @@ def _parse(add_arguments: object, *argv: str) -> argparse.Namespace:
 def test_engine_flags_given_to_launch_are_every_workers_engine_config() -> None:
     args = _parse(
         launch.add_arguments,
-        "--dtype", "float32", "--max-model-len", "256", "--block-size", "32", "--kv-cache-mib", "64",
-        "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--seed", "7", "--num-blocks", "100",
-        "--device", "cpu", "--kv-load-failure-policy", "fail", "--draft-model", "tiny", "--num-speculative-tokens", "2",
-        "--", "--num-threads", "1",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--block-size",
+        "32",
+        "--kv-cache-mib",
+        "64",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "512",
+        "--seed",
+        "7",
+        "--num-blocks",
+        "100",
+        "--device",
+        "cpu",
+        "--kv-load-failure-policy",
+        "fail",
+        "--draft-model",
+        "tiny",
+        "--num-speculative-tokens",
+        "2",
+        "--",
+        "--num-threads",
+        "1",
     )
     argv = launch.worker_argv(args)
     assert argv[:4] == ["--dtype", "float32", "--max-model-len", "256"]
@@ -59,7 +82,10 @@ def test_launch_passes_no_engine_flag_left_at_serves_default() -> None:
     assert launch.worker_argv(args) == ["--step-target-ms", f"{LAUNCH_STEP_TARGET_MS}", "--kv-staging-mib", "8"]
 
 
-@pytest.mark.parametrize(("flags", "target_ms"), [([], LAUNCH_STEP_TARGET_MS), (["--step-target-ms", "80"], 80.0), (["--step-target-ms", "95"], 95.0)])
+@pytest.mark.parametrize(
+    ("flags", "target_ms"),
+    [([], LAUNCH_STEP_TARGET_MS), (["--step-target-ms", "80"], 80.0), (["--step-target-ms", "95"], 95.0)],
+)
 def test_launchs_step_target_reaches_every_worker(flags: list[str], target_ms: float) -> None:
     assert LAUNCH_STEP_TARGET_MS < SERVING_STEP_TARGET_MS
     args = _parse(launch.add_arguments, *flags)
@@ -69,10 +95,14 @@ def test_launchs_step_target_reaches_every_worker(flags: list[str], target_ms: f
 
 
 def test_routing_flags_given_to_launch_reach_the_proxy() -> None:
-    args = _parse(launch.add_arguments, "--model", "smollm2", "--routing", "round-robin", "--max-local-prefill-tokens", "64")
+    args = _parse(
+        launch.add_arguments, "--model", "smollm2", "--routing", "round-robin", "--max-local-prefill-tokens", "64"
+    )
     proxy = _parse(proxy_server.add_arguments, "--decode", "127.0.0.1:1", *launch.proxy_argv(args))
     assert (proxy.routing, proxy.max_local_prefill_tokens, proxy.model) == ("round-robin", 64, "smollm2")
-    defaults = _parse(proxy_server.add_arguments, "--decode", "127.0.0.1:1", *launch.proxy_argv(_parse(launch.add_arguments)))
+    defaults = _parse(
+        proxy_server.add_arguments, "--decode", "127.0.0.1:1", *launch.proxy_argv(_parse(launch.add_arguments))
+    )
     assert (defaults.routing, defaults.max_local_prefill_tokens) == ("kv-aware", 0)
     with pytest.raises(SystemExit):
         _parse(launch.add_arguments, "--max-local-prefill-tokens", "-1")
@@ -84,12 +114,16 @@ def test_launch_rejects_a_bad_engine_flag_before_starting_workers(capsys: pytest
 
 
 def test_worker_peer_names_given_to_launch_reach_every_worker() -> None:
-    args = _parse(launch.add_arguments, "--worker-peer-names", "kvservice", "proxy.internal", "--", "--num-threads", "1")
+    args = _parse(
+        launch.add_arguments, "--worker-peer-names", "kvservice", "proxy.internal", "--", "--num-threads", "1"
+    )
     worker = _parse(worker_server.add_arguments, "--role", "prefill", *launch.worker_argv(args))
     assert worker.worker_peer_names == ["kvservice", "proxy.internal"]
 
 
-@pytest.mark.parametrize(("flags", "is_on"), [([], True), (["--kv-transfer-shm"], True), (["--no-kv-transfer-shm"], False)])
+@pytest.mark.parametrize(
+    ("flags", "is_on"), [([], True), (["--kv-transfer-shm"], True), (["--no-kv-transfer-shm"], False)]
+)
 def test_kv_transfer_shm_is_launchs_default_and_reaches_the_workers(flags: list[str], is_on: bool) -> None:
     """Every launched worker runs on this host: KV through shared memory unless turned off."""
     args = _parse(launch.add_arguments, *flags)
@@ -111,9 +145,25 @@ def test_launch_refuses_an_unknown_dtype() -> None:
 async def test_launched_workers_run_with_the_engine_flags_given_to_launch() -> None:
     block_size, kv_cache_mib, max_model_len = 32, 1, 64
     process = await asyncio.create_subprocess_exec(
-        KVSERVICE, "launch", "--port", "0", "--http-port", "0", "--dtype", "float16", "--block-size", str(block_size),
-        "--kv-cache-mib", str(kv_cache_mib), "--max-model-len", str(max_model_len), "--", "--num-threads", "1",
-        stdout=asyncio.subprocess.PIPE, start_new_session=True,
+        KVSERVICE,
+        "launch",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--dtype",
+        "float16",
+        "--block-size",
+        str(block_size),
+        "--kv-cache-mib",
+        str(kv_cache_mib),
+        "--max-model-len",
+        str(max_model_len),
+        "--",
+        "--num-threads",
+        "1",
+        stdout=asyncio.subprocess.PIPE,
+        start_new_session=True,
     )
     try:
         assert process.stdout is not None

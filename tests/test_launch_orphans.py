@@ -16,8 +16,23 @@ from kvservice.runtime.process_env import WORKER_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(180)]
 
-LAUNCH = [sys.executable, "-m", "kvservice", "launch", "--model", "tiny", "--port", "0", "--grace-period", "5",
-          "--", "--num-threads", "1", "--num-blocks", "32"]
+LAUNCH = [
+    sys.executable,
+    "-m",
+    "kvservice",
+    "launch",
+    "--model",
+    "tiny",
+    "--port",
+    "0",
+    "--grace-period",
+    "5",
+    "--",
+    "--num-threads",
+    "1",
+    "--num-blocks",
+    "32",
+]
 
 
 def _is_alive(pid: int) -> bool:
@@ -64,7 +79,9 @@ def _kill_all(pids: list[int]) -> None:
 
 
 async def test_children_die_with_a_sigkilled_launcher() -> None:
-    launcher = await asyncio.create_subprocess_exec(*LAUNCH, stdout=asyncio.subprocess.PIPE, env={**os.environ, **WORKER_ENV})
+    launcher = await asyncio.create_subprocess_exec(
+        *LAUNCH, stdout=asyncio.subprocess.PIPE, env={**os.environ, **WORKER_ENV}
+    )
     assert launcher.stdout is not None
     pids: list[int] = []
     try:
@@ -87,7 +104,9 @@ async def test_children_die_with_a_sigkilled_launcher() -> None:
 
 
 async def test_sigterm_during_start_up_stops_what_started() -> None:
-    launcher = await asyncio.create_subprocess_exec(*LAUNCH, stdout=asyncio.subprocess.PIPE, env={**os.environ, **WORKER_ENV})
+    launcher = await asyncio.create_subprocess_exec(
+        *LAUNCH, stdout=asyncio.subprocess.PIPE, env={**os.environ, **WORKER_ENV}
+    )
     children: list[int] = []
     try:
         deadline = time.monotonic() + 60

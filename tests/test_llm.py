@@ -79,7 +79,9 @@ def full(llm: LLM) -> RequestOutput:
 @pytest.mark.parametrize("length", [1, 2, 3])
 def test_stop_string_cuts_the_text_and_frees_the_blocks(llm: LLM, full: RequestOutput, length: int) -> None:
     stop = pick_stop(full.text, length)
-    [out] = llm.generate(STOP_PROMPT, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, stop=[stop]))
+    [out] = llm.generate(
+        STOP_PROMPT, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, stop=[stop])
+    )
     assert out.finish_reason == "stop"
     assert out.text == full.text[: full.text.index(stop)]
     num_tokens = tokens_until(full.token_ids, stop)
@@ -91,7 +93,9 @@ def test_stop_string_cuts_the_text_and_frees_the_blocks(llm: LLM, full: RequestO
 def test_first_of_two_stop_strings_wins(llm: LLM, full: RequestOutput) -> None:
     early = pick_stop(full.text, 2)
     late = pick_stop(full.text, 2, after=full.text.index(early) + 2)
-    [out] = llm.generate(STOP_PROMPT, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, stop=[late, early]))
+    [out] = llm.generate(
+        STOP_PROMPT, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, stop=[late, early])
+    )
     assert out.finish_reason == "stop" and out.text == full.text[: full.text.index(early)]
 
 
@@ -137,7 +141,9 @@ def test_held_back_prefix_is_released_when_it_cannot_stop(llm: LLM, full: Reques
 
 def test_stop_token_ids_still_work(llm: LLM, full: RequestOutput) -> None:
     stop_id = full.token_ids[5]
-    [out] = llm.generate(STOP_PROMPT, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, stop_token_ids=[stop_id]))
+    [out] = llm.generate(
+        STOP_PROMPT, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, stop_token_ids=[stop_id])
+    )
     assert out.finish_reason == "stop" and out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
 
 

@@ -74,8 +74,13 @@ def evaluate(model: str, model_args: dict[str, Any], task_dir: pathlib.Path) -> 
 
     task_manager = TaskManager(include_path=str(task_dir), include_defaults=False)
     results = lm_eval.simple_evaluate(
-        model=model, model_args=model_args, tasks=[TASK], task_manager=task_manager,
-        batch_size=1, log_samples=True, bootstrap_iters=0,
+        model=model,
+        model_args=model_args,
+        tasks=[TASK],
+        task_manager=task_manager,
+        batch_size=1,
+        log_samples=True,
+        bootstrap_iters=0,
     )
     assert results is not None
     return results
@@ -118,7 +123,12 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokenizer
 @pytest.fixture(scope="module")
 def hf_reference(smollm2_file: pathlib.Path, task_dir: pathlib.Path) -> dict[str, Any]:
     """lm-eval's `hf` model on the GGUF (transformers dequantizes it to float32), on the CPU."""
-    model_args = {"pretrained": str(smollm2_file.parent), "gguf_file": smollm2_file.name, "dtype": "float32", "device": "cpu"}
+    model_args = {
+        "pretrained": str(smollm2_file.parent),
+        "gguf_file": smollm2_file.name,
+        "dtype": "float32",
+        "device": "cpu",
+    }
     return evaluate("hf", model_args, task_dir)
 
 
@@ -128,7 +138,9 @@ def test_saved_tokenizer_encodes_like_the_gguf_one(tokenizer_dir: pathlib.Path, 
 
     saved = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     texts = [q for q, _, _ in QUESTIONS] + [f"{q} {c}" for q, choices, _ in QUESTIONS for c in choices]
-    assert [saved(t, add_special_tokens=False).input_ids for t in texts] == [smollm2_hf_tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    assert [saved(t, add_special_tokens=False).input_ids for t in texts] == [
+        smollm2_hf_tokenizer(t, add_special_tokens=False).input_ids for t in texts
+    ]
     # lm-eval's two models encode differently (hf with the tokenizer's default, the API without
     # special tokens): the same only because this tokenizer adds no BOS.
     assert saved(texts[0]).input_ids == saved(texts[0], add_special_tokens=False).input_ids

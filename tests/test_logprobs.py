@@ -24,7 +24,11 @@ MAX_TOKENS = 8
 PROMPT_LENGTHS = (2, 9, 17, 33, 40)
 # 16 tokens a step: the longer prompts run in chunks, so prompt logprobs are gathered across steps.
 ENGINE = dict(num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
-SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n", "Bees make honey and"]
+SMOLLM2_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Bees make honey and",
+]
 
 
 def hf_log_softmax(path: pathlib.Path, token_ids: list[int]) -> torch.Tensor:
@@ -58,7 +62,9 @@ def test_prompt_and_sampled_logprobs_match_transformers(
     path = hf_model_dir(kind)
     prompts = random_prompts(PROMPT_LENGTHS, seed=3)
     llm = LLM(str(path), enable_prefix_caching=enable_prefix_caching, **ENGINE)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=NUM_TOP, prompt_logprobs=NUM_TOP)
+    params = SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=NUM_TOP, prompt_logprobs=NUM_TOP
+    )
     # Twice: the second round's prompts are all in the prefix cache, and are still computed.
     for round_ in range(2):
         outputs = llm.generate(prompts, params)
@@ -78,7 +84,9 @@ def test_prompt_and_sampled_logprobs_match_transformers(
 def test_logprobs_are_of_the_raw_logits_not_the_tempered_ones(llama_dir: pathlib.Path) -> None:
     prompt = random_prompts((12,), seed=5)[0]
     llm = LLM(str(llama_dir), **ENGINE)
-    out = llm.generate(prompt, SamplingParams(temperature=1.7, top_k=40, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0))[0]
+    out = llm.generate(
+        prompt, SamplingParams(temperature=1.7, top_k=40, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    )[0]
     reference = hf_log_softmax(llama_dir, prompt + out.token_ids)
     assert out.logprobs is not None and len(out.logprobs) == MAX_TOKENS
     for i, (token_id, got) in enumerate(zip(out.token_ids, out.logprobs)):
@@ -110,7 +118,10 @@ def test_prompt_logprobs_skip_the_prefix_cache_but_later_requests_use_it(llama_d
     assert first.num_cached_tokens == 0
     with_prompt_logprobs = llm.generate(prompt, dataclasses.replace(greedy, prompt_logprobs=0))[0]
     assert with_prompt_logprobs.num_cached_tokens == 0
-    assert with_prompt_logprobs.prompt_logprobs is not None and len(with_prompt_logprobs.prompt_logprobs) == len(prompt) - 1
+    assert (
+        with_prompt_logprobs.prompt_logprobs is not None
+        and len(with_prompt_logprobs.prompt_logprobs) == len(prompt) - 1
+    )
     assert llm.generate(prompt, greedy)[0].num_cached_tokens == 32  # two full blocks of 16
 
 
@@ -132,11 +143,15 @@ def test_token_logprobs_ranks_and_top() -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_logprobs_match_transformers(smollm2_llm: LLM, smollm2_hf_tokenizer: Any, smollm2_hf_model: Any) -> None:
+def test_smollm2_logprobs_match_transformers(
+    smollm2_llm: LLM, smollm2_hf_tokenizer: Any, smollm2_hf_model: Any
+) -> None:
     """The real model (its kernels on the GGUF's Q4_1 blocks) against transformers on the
     same weights dequantized to float32: prompt and generated positions within 1e-4."""
     prompts = [smollm2_hf_tokenizer(text)["input_ids"] for text in SMOLLM2_PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=NUM_TOP, prompt_logprobs=NUM_TOP)
+    params = SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=NUM_TOP, prompt_logprobs=NUM_TOP
+    )
     worst = 0.0
     for prompt, out in zip(prompts, smollm2_llm.generate(prompts, params)):
         with torch.no_grad():

@@ -18,6 +18,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 NUM_REQUESTS = 4
 MAX_TOKENS = 5
 WORKER_ARGS = ("--num-threads", "1", "--metrics-port", "0", "--num-blocks", "64", "--max-model-len", "128")
+
+
 async def scrape_all(cluster: LocalCluster) -> dict[str, Samples]:
     names = [c.name for c in cluster.children]
     found = await asyncio.gather(*(asyncio.to_thread(scrape, cluster.child(n).metrics_address) for n in names))
@@ -26,7 +28,9 @@ async def scrape_all(cluster: LocalCluster) -> dict[str, Samples]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster() -> AsyncIterator[LocalCluster]:
-    async with local_cluster("tiny", worker_args=WORKER_ARGS, proxy_args=("--metrics-port", "0", "--health-interval", "0.2")) as c:
+    async with local_cluster(
+        "tiny", worker_args=WORKER_ARGS, proxy_args=("--metrics-port", "0", "--health-interval", "0.2")
+    ) as c:
         yield c
 
 
@@ -38,8 +42,15 @@ async def test_metrics_move_with_traffic(cluster: LocalCluster) -> None:
     assert ("kvservice_spec_draft_tokens_total", ()) in before["decode-0"]
 
     async with KVServiceClient(cluster.address) as client:
+
         async def one(i: int) -> int:
-            return len((await client.complete([1 + i, 2, 3, 4, 5, 6, 7], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, timeout=60)).token_ids)
+            return len(
+                (
+                    await client.complete(
+                        [1 + i, 2, 3, 4, 5, 6, 7], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, timeout=60
+                    )
+                ).token_ids
+            )
 
         assert await asyncio.gather(*(one(i) for i in range(NUM_REQUESTS))) == [MAX_TOKENS] * NUM_REQUESTS
         with pytest.raises(grpc.aio.AioRpcError) as bad:

@@ -20,7 +20,9 @@ def _logits(net: CausalLM, num_tokens: int) -> torch.Tensor:
     cfg = net.config
     ids = torch.randint(0, cfg.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
     dtype = net.model.embed_tokens.weight.dtype
-    kv = [torch.zeros(2, 4, 16, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+    kv = [
+        torch.zeros(2, 4, 16, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype) for _ in range(cfg.num_hidden_layers)
+    ]
     meta = AttentionMetadata(torch.arange(num_tokens), 0, None, None, [PrefillSpan(0, num_tokens)])
     return net.compute_logits(net(ids, torch.arange(num_tokens), kv, meta))
 
@@ -83,7 +85,7 @@ def test_fused_norm_and_rotary_match_the_pytorch_formulas(kernels: None, dtype: 
     expected_qkv = qkv.clone()
     rotary(positions, dtype, fused=False).apply_(expected_qkv, num_heads, head_dim)
     rotary(positions, dtype, fused=True).apply_(qkv, num_heads, head_dim)
-    assert not torch.equal(qkv[:, : head_dim], qkv.new_zeros(37, head_dim))
+    assert not torch.equal(qkv[:, :head_dim], qkv.new_zeros(37, head_dim))
     if dtype == torch.float32:
         assert torch.equal(qkv, expected_qkv)  # same products, same rounding: bit for bit
     else:

@@ -35,7 +35,9 @@ MAX_TOKENS = 12
 def reference() -> tuple[list[int], str]:
     """Greedy tokens and text of MESSAGES, offline (text parts joined as the front joins them)."""
     joined = [*MESSAGES[:3], {"role": "user", "content": "Another\none?"}]
-    (out,) = LLM(MODEL, max_model_len=256).chat(joined, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    (out,) = LLM(MODEL, max_model_len=256).chat(
+        joined, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    )
     return list(out.token_ids), out.text
 
 
@@ -68,7 +70,9 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 CHAT = {"model": MODEL, "messages": MESSAGES, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
-async def test_chat_equals_offline_greedy_with_usage(client: openai.AsyncOpenAI, reference: tuple[list[int], str]) -> None:
+async def test_chat_equals_offline_greedy_with_usage(
+    client: openai.AsyncOpenAI, reference: tuple[list[int], str]
+) -> None:
     token_ids, text = reference
     completion = await client.chat.completions.create(**CHAT, max_completion_tokens=MAX_TOKENS)  # type: ignore[arg-type]
     (choice,) = completion.choices
@@ -79,10 +83,15 @@ async def test_chat_equals_offline_greedy_with_usage(client: openai.AsyncOpenAI,
     assert completion.usage.prompt_tokens > 20  # the rendered template, not the raw text
 
 
-async def test_chat_stream_role_then_deltas_then_finish(client: openai.AsyncOpenAI, reference: tuple[list[int], str]) -> None:
+async def test_chat_stream_role_then_deltas_then_finish(
+    client: openai.AsyncOpenAI, reference: tuple[list[int], str]
+) -> None:
     _, text = reference
     stream = await client.chat.completions.create(
-        **CHAT, max_tokens=MAX_TOKENS, stream=True, stream_options={"include_usage": True},  # type: ignore[arg-type]
+        **CHAT,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},  # type: ignore[arg-type]
     )
     chunks = [chunk async for chunk in stream]
     with_choices = [c for c in chunks if c.choices]
@@ -97,7 +106,9 @@ async def test_chat_stream_role_then_deltas_then_finish(client: openai.AsyncOpen
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_chat_stop_string_ends_the_text_before_it(client: openai.AsyncOpenAI, reference: tuple[list[int], str], stream: bool) -> None:
+async def test_chat_stop_string_ends_the_text_before_it(
+    client: openai.AsyncOpenAI, reference: tuple[list[int], str], stream: bool
+) -> None:
     _, text = reference
     index = next(i for i in range(1, len(text)) if text[i].isalnum() and text.index(text[i]) == i)
     kwargs = {**CHAT, "max_tokens": MAX_TOKENS, "stop": [text[index]]}

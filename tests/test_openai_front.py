@@ -32,13 +32,19 @@ async def cluster() -> AsyncIterator[LocalCluster]:
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def client(cluster: LocalCluster) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=f"http://{cluster.child('proxy').http_address}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+    async with openai.AsyncOpenAI(
+        base_url=f"http://{cluster.child('proxy').http_address}/v1", api_key="unused", max_retries=0, timeout=60
+    ) as c:
         yield c
 
 
 async def grpc_greedy(cluster: LocalCluster, prompt: list[int] | str, max_tokens: int) -> list[int]:
     async with KVServiceClient(cluster.address) as grpc_client:
-        return list((await grpc_client.complete(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=60)).token_ids)
+        return list(
+            (
+                await grpc_client.complete(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=60)
+            ).token_ids
+        )
 
 
 def http_get(url: str) -> tuple[int, dict]:
@@ -59,7 +65,11 @@ async def test_models_and_health(cluster: LocalCluster, client: openai.AsyncOpen
 async def test_completion_matches_grpc(cluster: LocalCluster, client: openai.AsyncOpenAI) -> None:
     expected = await grpc_greedy(cluster, PROMPT, 8)
     completion = await client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
         extra_headers={"X-Request-Id": "openai-rid-1"},
     )
     (choice,) = completion.choices
@@ -71,10 +81,18 @@ async def test_completion_matches_grpc(cluster: LocalCluster, client: openai.Asy
 
 
 async def test_streaming_matches_non_streaming(cluster: LocalCluster, client: openai.AsyncOpenAI) -> None:
-    full = await client.completions.create(model=MODEL, prompt="Hello, world", max_tokens=6, temperature=0, seed=1, extra_body={"ignore_eos": True})
+    full = await client.completions.create(
+        model=MODEL, prompt="Hello, world", max_tokens=6, temperature=0, seed=1, extra_body={"ignore_eos": True}
+    )
     stream = await client.completions.create(
-        model=MODEL, prompt="Hello, world", max_tokens=6, temperature=0, seed=1, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model=MODEL,
+        prompt="Hello, world",
+        max_tokens=6,
+        temperature=0,
+        seed=1,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     token_ids: list[int] = []
     text = ""
@@ -96,12 +114,21 @@ async def test_streaming_matches_non_streaming(cluster: LocalCluster, client: op
     assert usage is not None and usage.completion_tokens == 6
 
 
-async def test_client_hanging_up_mid_stream_cancels_the_request(cluster: LocalCluster, client: openai.AsyncOpenAI) -> None:
+async def test_client_hanging_up_mid_stream_cancels_the_request(
+    cluster: LocalCluster, client: openai.AsyncOpenAI
+) -> None:
     """A stream whose client goes away ends its request (every block free) and the front serves on."""
     workers = [*cluster.prefill_addresses, *cluster.decode_addresses]
-    aborted_before = (await all_worker_stats(cluster.decode_addresses))[cluster.decode_addresses[0]].num_aborted_requests
+    aborted_before = (await all_worker_stats(cluster.decode_addresses))[
+        cluster.decode_addresses[0]
+    ].num_aborted_requests
     stream = await client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=120, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=120,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     chunks = 0
     async for _chunk in stream:
@@ -109,15 +136,23 @@ async def test_client_hanging_up_mid_stream_cancels_the_request(cluster: LocalCl
         if chunks == 2:
             break
     await stream.close()  # hang up with ~118 tokens still to come
-    stats = await wait_for_stats(workers, lambda stats: all(is_idle(s) for s in stats.values()), "idle after the hang-up")
-    assert stats[cluster.decode_addresses[0]].num_aborted_requests == aborted_before + 1  # cancelled, not run to the end
-    assert (await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)).choices[0].text is not None
+    stats = await wait_for_stats(
+        workers, lambda stats: all(is_idle(s) for s in stats.values()), "idle after the hang-up"
+    )
+    assert (
+        stats[cluster.decode_addresses[0]].num_aborted_requests == aborted_before + 1
+    )  # cancelled, not run to the end
+    assert (await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)).choices[
+        0
+    ].text is not None
 
 
 async def test_stop_token_ids(cluster: LocalCluster, client: openai.AsyncOpenAI) -> None:
     expected = await grpc_greedy(cluster, PROMPT, 8)
     stop = expected[3]
-    completion = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    completion = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
     assert completion.choices[0].finish_reason == "stop"
     assert completion.choices[0].token_ids == expected[: expected.index(stop) + 1]
 
@@ -125,9 +160,13 @@ async def test_stop_token_ids(cluster: LocalCluster, client: openai.AsyncOpenAI)
 @pytest.mark.parametrize("stream", [False, True])
 async def test_stop_strings(cluster: LocalCluster, client: openai.AsyncOpenAI, stream: bool) -> None:
     # tiny's greedy text for "abc" has printable characters past its first.
-    full = await client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    full = await client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = full.choices[0].text
-    index = next(i for i in range(1, len(text)) if text[i].isascii() and text[i].isprintable() and text.index(text[i]) == i)
+    index = next(
+        i for i in range(1, len(text)) if text[i].isascii() and text[i].isprintable() and text.index(text[i]) == i
+    )
     kwargs = {"model": MODEL, "prompt": "abc", "max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
     if not stream:
         completion = await client.completions.create(**kwargs, stop=text[index])

@@ -37,7 +37,9 @@ DEPLOYMENTS = ("1p1d", "colocated")
 def reference() -> Any:
     """The engine in this process: the prompt's and the greedy tokens' logprobs."""
     llm = LLM(MODEL, block_size=BLOCK_SIZE, max_model_len=128)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=NUM_TOP, prompt_logprobs=NUM_TOP)
+    params = SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=NUM_TOP, prompt_logprobs=NUM_TOP
+    )
     return llm.generate(PROMPT, params)[0]
 
 
@@ -56,7 +58,9 @@ def http_address(cluster: LocalCluster) -> str:
 
 
 @pytest_asyncio.fixture(loop_scope="module", params=DEPLOYMENTS)
-async def served(request: pytest.FixtureRequest, clusters: dict[str, LocalCluster]) -> AsyncIterator[tuple[LocalCluster, openai.AsyncOpenAI]]:
+async def served(
+    request: pytest.FixtureRequest, clusters: dict[str, LocalCluster]
+) -> AsyncIterator[tuple[LocalCluster, openai.AsyncOpenAI]]:
     cluster = clusters[request.param]
     base_url = f"http://{http_address(cluster)}/v1"
     async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60) as client:
@@ -65,7 +69,9 @@ async def served(request: pytest.FixtureRequest, clusters: dict[str, LocalCluste
     await wait_until_idle([c.address for c in cluster.children if c.name != "proxy"])
 
 
-def assert_matches(values: list[float | None], tops: list[dict[str, float] | None], expected: list[TokenLogprobs]) -> None:
+def assert_matches(
+    values: list[float | None], tops: list[dict[str, float] | None], expected: list[TokenLogprobs]
+) -> None:
     """Each position's logprob, and its top tokens keyed by text as the legacy completions
     shape has them (tokens that decode alike keep the most likely; the position's own is there)."""
     tokenizer = ByteTokenizer()  # the tiny model's
@@ -79,12 +85,19 @@ def assert_matches(values: list[float | None], tops: list[dict[str, float] | Non
         assert list(top.values()) == pytest.approx(list(expected_top.values()), abs=ATOL)
 
 
-async def test_completion_echo_logprobs_equal_the_engines(served: tuple[LocalCluster, openai.AsyncOpenAI], reference: Any) -> None:
+async def test_completion_echo_logprobs_equal_the_engines(
+    served: tuple[LocalCluster, openai.AsyncOpenAI], reference: Any
+) -> None:
     _, client = served
     # Twice: the second time the prompt is in the prefix cache, and its logprobs are still computed.
     for _ in range(2):
         out = await client.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=NUM_TOP, echo=True,
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logprobs=NUM_TOP,
+            echo=True,
             extra_body={"ignore_eos": True},
         )
         choice = out.choices[0]
@@ -98,12 +111,19 @@ async def test_completion_echo_logprobs_equal_the_engines(served: tuple[LocalClu
         assert choice.model_extra["token_ids"] == reference.token_ids
 
 
-async def test_streamed_logprobs_equal_the_whole_answers(served: tuple[LocalCluster, openai.AsyncOpenAI], reference: Any) -> None:
+async def test_streamed_logprobs_equal_the_whole_answers(
+    served: tuple[LocalCluster, openai.AsyncOpenAI], reference: Any
+) -> None:
     _, client = served
     values: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     stream = await client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=NUM_TOP, stream=True,
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=NUM_TOP,
+        stream=True,
         extra_body={"ignore_eos": True},
     )
     async for chunk in stream:
@@ -118,14 +138,21 @@ async def test_chat_logprobs(served: tuple[LocalCluster, openai.AsyncOpenAI]) ->
     _, client = served
     messages = [{"role": "user", "content": "Hello there"}]
     out = await client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=2,  # type: ignore[arg-type]
+        model=MODEL,
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,  # type: ignore[arg-type]
         extra_body={"ignore_eos": True},
     )
     expected = LLM(MODEL, block_size=BLOCK_SIZE, max_model_len=128).chat(
         messages, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     )[0]
     content = out.choices[0].logprobs.content  # type: ignore[union-attr]
-    assert [entry.logprob for entry in content] == pytest.approx([lp.logprob for lp in expected.logprobs or []], abs=ATOL)
+    assert [entry.logprob for entry in content] == pytest.approx(
+        [lp.logprob for lp in expected.logprobs or []], abs=ATOL
+    )
     assert all(len(entry.top_logprobs) == 2 for entry in content)
     assert all(entry.top_logprobs[0].logprob >= entry.logprob - ATOL for entry in content)  # greedy: the best
 
@@ -151,18 +178,31 @@ async def test_bad_logprobs_fields_get_400_naming_them(served: tuple[LocalCluste
         await client.completions.create(model=MODEL, prompt="x", suffix="y")
 
 
-async def test_seeded_sampling_is_the_same_wherever_the_prompt_ran(served: tuple[LocalCluster, openai.AsyncOpenAI]) -> None:
+async def test_seeded_sampling_is_the_same_wherever_the_prompt_ran(
+    served: tuple[LocalCluster, openai.AsyncOpenAI],
+) -> None:
     """Disaggregated, the first token is drawn on the prefill worker and the rest on the
     decode worker; each draw depends only on (seed, position), so the tokens equal the colocated ones."""
     _, client = served
     params = SamplingParams(temperature=1.0, seed=21, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = LLM(MODEL, block_size=BLOCK_SIZE, max_model_len=128).generate(PROMPT, dataclasses.replace(params, n=3))
     out = await client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=21, n=3, extra_body={"ignore_eos": True},
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=21,
+        n=3,
+        extra_body={"ignore_eos": True},
     )
     assert [c.model_extra["token_ids"] for c in out.choices] == [e.token_ids for e in expected]
     alone = await client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=22, extra_body={"ignore_eos": True},
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=22,
+        extra_body={"ignore_eos": True},
     )
     assert alone.choices[0].model_extra["token_ids"] == expected[1].token_ids  # sequence 1 of n: seed + 1
 
@@ -170,7 +210,9 @@ async def test_seeded_sampling_is_the_same_wherever_the_prompt_ran(served: tuple
 async def test_grpc_complete_returns_every_sequence(served: tuple[LocalCluster, openai.AsyncOpenAI]) -> None:
     cluster, _ = served
     async with KVServiceClient(cluster.address) as grpc_client:
-        request = build_request(PROMPT, max_tokens=MAX_TOKENS, temperature=0.5, seed=5, ignore_eos=True, logprobs=1, n=2)
+        request = build_request(
+            PROMPT, max_tokens=MAX_TOKENS, temperature=0.5, seed=5, ignore_eos=True, logprobs=1, n=2
+        )
         result = await pb_grpc.GenerationStub(grpc_client.channel).Complete(request, timeout=60)
     assert [s.index for s in result.sequences] == [0, 1]
     assert list(result.token_ids) == list(result.sequences[0].token_ids)

@@ -32,31 +32,113 @@ WORKER_ARGS = ("--num-threads", "1", "--max-model-len", "1024", "--kv-cache-mib"
 CONCURRENCY = 8
 
 SCHEMAS: list[dict[str, Any]] = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"], "additionalProperties": False},
-    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                      "country": {"enum": ["France", "Spain", "Italy", "Other"]}},
-     "required": ["city", "country"], "additionalProperties": False},
-    {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}},
-     "required": ["colors"], "additionalProperties": False},
-    {"type": "object", "properties": {"person": {"type": "object", "properties": {
-        "first": {"type": "string", "maxLength": 20}, "last": {"type": "string", "maxLength": 20}}, "required": ["first", "last"],
-        "additionalProperties": False}, "score": {"type": "number"}}, "required": ["person", "score"], "additionalProperties": False},
-    {"type": "object", "properties": {"answer": {"type": "boolean"}, "confidence": {"enum": ["low", "medium", "high"]}},
-     "required": ["answer", "confidence"], "additionalProperties": False},
-    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 4, "items": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 15}, "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
-        "required": ["name", "qty"], "additionalProperties": False}}}, "required": ["items"], "additionalProperties": False},
-    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40}, "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
-                                      "genres": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}},
-     "required": ["title", "year", "genres"], "additionalProperties": False},
-    {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}, "label": {"enum": ["A", "B"]}},
-     "required": ["x", "y", "label"], "additionalProperties": False},
-    {"type": "object", "properties": {"steps": {"type": "array", "items": {"type": "string", "maxLength": 40}, "minItems": 2, "maxItems": 3}},
-     "required": ["steps"], "additionalProperties": False},
-    {"type": "object", "properties": {"status": {"enum": ["ok", "error"]}, "details": {"type": "object", "properties": {
-        "code": {"type": "integer"}, "message": {"type": "string", "maxLength": 30}}, "required": ["code", "message"],
-        "additionalProperties": False}}, "required": ["status", "details"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 30},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 30},
+            "country": {"enum": ["France", "Spain", "Italy", "Other"]},
+        },
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}
+        },
+        "required": ["colors"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "person": {
+                "type": "object",
+                "properties": {
+                    "first": {"type": "string", "maxLength": 20},
+                    "last": {"type": "string", "maxLength": 20},
+                },
+                "required": ["first", "last"],
+                "additionalProperties": False,
+            },
+            "score": {"type": "number"},
+        },
+        "required": ["person", "score"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"answer": {"type": "boolean"}, "confidence": {"enum": ["low", "medium", "high"]}},
+        "required": ["answer", "confidence"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "maxItems": 4,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "maxLength": 15},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
+                    "required": ["name", "qty"],
+                    "additionalProperties": False,
+                },
+            }
+        },
+        "required": ["items"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 40},
+            "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+            "genres": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+        },
+        "required": ["title", "year", "genres"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"x": {"type": "number"}, "y": {"type": "number"}, "label": {"enum": ["A", "B"]}},
+        "required": ["x", "y", "label"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "steps": {"type": "array", "items": {"type": "string", "maxLength": 40}, "minItems": 2, "maxItems": 3}
+        },
+        "required": ["steps"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "status": {"enum": ["ok", "error"]},
+            "details": {
+                "type": "object",
+                "properties": {"code": {"type": "integer"}, "message": {"type": "string", "maxLength": 30}},
+                "required": ["code", "message"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["status", "details"],
+        "additionalProperties": False,
+    },
 ]
 QUESTIONS = [
     "Describe a person as JSON.",
@@ -76,7 +158,9 @@ async def cluster() -> AsyncIterator[LocalCluster]:
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def client(cluster: LocalCluster) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=f"http://{cluster.child('proxy').http_address}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+    async with openai.AsyncOpenAI(
+        base_url=f"http://{cluster.child('proxy').http_address}/v1", api_key="unused", max_retries=0, timeout=300
+    ) as c:
         yield c
     await wait_until_idle([*cluster.prefill_addresses, *cluster.decode_addresses])
 
@@ -87,7 +171,10 @@ async def test_fifty_json_schema_answers_all_validate(client: openai.AsyncOpenAI
     async def ask(schema: dict[str, Any], question: str) -> tuple[str, str | None]:
         async with limit:
             out = await client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=200, temperature=0,
+                model=MODEL,
+                messages=[{"role": "user", "content": question}],
+                max_tokens=200,
+                temperature=0,
                 response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
             )
         return out.choices[0].message.content or "", out.choices[0].finish_reason
@@ -102,18 +189,28 @@ async def test_fifty_json_schema_answers_all_validate(client: openai.AsyncOpenAI
 
 async def test_json_object_regex_and_choice(client: openai.AsyncOpenAI) -> None:
     chat = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": 'Reply with a JSON object that has one key, "greeting".'}],
-        max_tokens=100, temperature=0, response_format={"type": "json_object"},
+        model=MODEL,
+        messages=[{"role": "user", "content": 'Reply with a JSON object that has one key, "greeting".'}],
+        max_tokens=100,
+        temperature=0,
+        response_format={"type": "json_object"},
     )
     assert isinstance(json.loads(chat.choices[0].message.content or ""), dict)
     assert chat.choices[0].finish_reason == "stop"
     regex = r"\d{3}-\d{4}"
     phone = await client.completions.create(
-        model=MODEL, prompt="My phone number is ", max_tokens=20, temperature=0, extra_body={"structured_outputs": {"regex": regex}},
+        model=MODEL,
+        prompt="My phone number is ",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": regex}},
     )
     assert re.fullmatch(regex, phone.choices[0].text), phone.choices[0].text
     choice = await client.completions.create(
-        model=MODEL, prompt="The capital of France is", max_tokens=10, temperature=0,
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=10,
+        temperature=0,
         extra_body={"structured_outputs": {"choice": ["Paris", "London", "Rome"]}},
     )
     assert choice.choices[0].text in ("Paris", "London", "Rome")
@@ -123,12 +220,15 @@ async def test_unsupported_schema_features_are_refused_naming_them(client: opena
     schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
     with pytest.raises(openai.BadRequestError, match="uniqueItems"):
         await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}],
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
             response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
         )
     with pytest.raises(openai.BadRequestError, match="ignore_eos"):
         await client.completions.create(
-            model=MODEL, prompt="x", extra_body={"structured_outputs": {"regex": "a+"}, "ignore_eos": True},
+            model=MODEL,
+            prompt="x",
+            extra_body={"structured_outputs": {"regex": "a+"}, "ignore_eos": True},
         )
 
 
@@ -151,7 +251,13 @@ async def test_n_sequences_equal_single_requests_with_their_seeds_and_the_kv_tra
 
 async def test_n_streams_every_choice_to_its_end(client: openai.AsyncOpenAI) -> None:
     stream = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=16, temperature=1.0, seed=3, n=2, stream=True,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a fruit."}],
+        max_tokens=16,
+        temperature=1.0,
+        seed=3,
+        n=2,
+        stream=True,
     )
     texts = {0: "", 1: ""}
     finished: dict[int, str | None] = {}

@@ -20,7 +20,9 @@ SEEDED = SamplingParams(temperature=0.9, seed=7, max_tokens=MAX_TOKENS, ignore_e
 
 
 def tiny(enable_prefix_caching: bool) -> LLM:
-    return LLM("tiny", block_size=BLOCK_SIZE, num_blocks=64, max_model_len=256, enable_prefix_caching=enable_prefix_caching)
+    return LLM(
+        "tiny", block_size=BLOCK_SIZE, num_blocks=64, max_model_len=256, enable_prefix_caching=enable_prefix_caching
+    )
 
 
 @pytest.mark.parametrize("enable_prefix_caching", [False, True])
@@ -46,11 +48,20 @@ def test_the_prompt_runs_once_and_its_blocks_are_shared() -> None:
     while engine.has_unfinished_requests():
         scheduler_output = engine.scheduler.schedule()
         num_prompt_tokens_computed += sum(
-            min(s.num_new_tokens, max(0, len(PROMPT) - s.request.num_computed_tokens)) for s in scheduler_output.scheduled
+            min(s.num_new_tokens, max(0, len(PROMPT) - s.request.num_computed_tokens))
+            for s in scheduler_output.scheduled
         )
         runner_output = engine.runner.execute_model(scheduler_output)
-        engine.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids, runner_output.kv_connector_output)
-        tables.update({r: list(engine.scheduler.kv.get_block_ids(r)) for r in sequence_ids if engine.scheduler.kv.get_block_ids(r)})
+        engine.scheduler.update_from_output(
+            scheduler_output, runner_output.sampled_token_ids, runner_output.kv_connector_output
+        )
+        tables.update(
+            {
+                r: list(engine.scheduler.kv.get_block_ids(r))
+                for r in sequence_ids
+                if engine.scheduler.kv.get_block_ids(r)
+            }
+        )
     leader_blocks = tables[request_id][:NUM_SHARED_BLOCKS]
     assert all(tables[r][:NUM_SHARED_BLOCKS] == leader_blocks for r in sequence_ids)
     # Past the shared blocks each sequence has its own (its tail of the prompt, then its tokens).

@@ -17,7 +17,18 @@ import grpc
 import pytest
 import torch
 from hf_models import hf_greedy, random_prompts
-from pd_pair import BLOCK_SIZE, LAYOUT, PREFILL_PARAMS, WAIT, bits, drive_decode, drive_prefill, make_prompt, pd_pair, prompt_blocks
+from pd_pair import (
+    BLOCK_SIZE,
+    LAYOUT,
+    PREFILL_PARAMS,
+    WAIT,
+    bits,
+    drive_decode,
+    drive_prefill,
+    make_prompt,
+    pd_pair,
+    prompt_blocks,
+)
 
 from kvservice import LLM, SamplingParams
 from kvservice.connector.base import TRANSFER_TOKEN
@@ -182,7 +193,9 @@ def test_aborting_requests_that_share_blocks_frees_only_their_own_references(lla
     assert_all_blocks_back(engine)
 
 
-def test_speculative_decoding_over_cached_prefixes_matches_plain_greedy(llama_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+def test_speculative_decoding_over_cached_prefixes_matches_plain_greedy(
+    llama_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
     from test_spec_decode import first_layer_draft
 
     draft = first_layer_draft(llama_dir, tmp_path / "draft")
@@ -207,9 +220,17 @@ async def test_the_decode_worker_pulls_only_the_blocks_it_lacks() -> None:
         "same-prompt": long_prompt,
         "aligned-and-cached": long_prompt[:32],
     }
-    reference = dict(zip(prompts, (o.token_ids for o in LLM("tiny", block_size=BLOCK_SIZE, enable_prefix_caching=False).generate(
-        list(prompts.values()), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    ))))
+    reference = dict(
+        zip(
+            prompts,
+            (
+                o.token_ids
+                for o in LLM("tiny", block_size=BLOCK_SIZE, enable_prefix_caching=False).generate(
+                    list(prompts.values()), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+                )
+            ),
+        )
+    )
     pulled_blocks: dict[str, int] = {}
     async with pd_pair() as pair:
         for request_id, prompt in prompts.items():  # one at a time: each finds the earlier ones cached
@@ -242,7 +263,9 @@ async def test_a_pull_that_starts_mid_chunk_receives_only_the_blocks_it_asked_fo
         pair.registry.register("r", token, len(prompt))
         pair.prefill.add_request(prompt, PREFILL_PARAMS, "r", {TRANSFER_TOKEN: token})
         staged: list[torch.Tensor] = []
-        await drive_prefill(pair, lambda request_id: staged.extend(prompt_blocks(pair.prefill, request_id, len(prompt))))
+        await drive_prefill(
+            pair, lambda request_id: staged.extend(prompt_blocks(pair.prefill, request_id, len(prompt)))
+        )
         caches = allocate_kv_caches(LAYOUT, 8, torch.device("cpu"))
         spec = LoadSpec("r", pair.address, token, block_ids=[7, 6, 5, 4, 3], num_tokens=len(prompt), first_block=3)
         counters = KVTransferCounters()

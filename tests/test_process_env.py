@@ -21,7 +21,9 @@ print("env", os.environ.get("GLIBC_TUNABLES"), os.environ.get("OMP_WAIT_POLICY")
 
 
 def _run(script: pathlib.Path, env: dict[str, str]) -> list[str]:
-    done = subprocess.run([sys.executable, str(script), "--flag", "x"], env=env, capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, str(script), "--flag", "x"], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     return done.stdout.splitlines()
 
 
@@ -31,4 +33,7 @@ def test_a_script_runs_again_once_with_the_worker_env(tmp_path: pathlib.Path) ->
     bare = {name: value for name, value in os.environ.items() if name not in WORKER_ENV}
     lines = _run(script, {**bare, "OMP_WAIT_POLICY": "ACTIVE"})
     assert lines == ["start", "start", f"env {WORKER_ENV['GLIBC_TUNABLES']} ACTIVE ['--flag', 'x']"]
-    assert _run(script, {**bare, **WORKER_ENV}) == ["start", f"env {WORKER_ENV['GLIBC_TUNABLES']} PASSIVE ['--flag', 'x']"]
+    assert _run(script, {**bare, **WORKER_ENV}) == [
+        "start",
+        f"env {WORKER_ENV['GLIBC_TUNABLES']} PASSIVE ['--flag', 'x']",
+    ]

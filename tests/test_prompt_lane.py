@@ -148,12 +148,15 @@ def test_the_lane_is_a_colocated_engines_own() -> None:
         LLMEngine("tiny", EngineConfig(num_blocks=64, prompt_lane=True), connector)
 
 
-@pytest.mark.parametrize(("argv", "expected"), [
-    (["--role", "both"], True),
-    (["--role", "both", "--no-prompt-lane"], False),
-    (["--role", "prefill"], False),
-    (["--role", "decode"], False),
-])
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--role", "both"], True),
+        (["--role", "both", "--no-prompt-lane"], False),
+        (["--role", "prefill"], False),
+        (["--role", "decode"], False),
+    ],
+)
 def test_a_colocated_server_computes_prompts_in_its_lane_unless_told_not_to(argv: list[str], expected: bool) -> None:
     parser = argparse.ArgumentParser()
     worker_server.add_arguments(parser)

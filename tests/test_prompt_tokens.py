@@ -13,7 +13,10 @@ from kvservice.server.proxy.prompt_tokens import PromptTokens
 from kvservice.v1 import kvservice_pb2 as pb
 
 TEXT = "The quick brown fox jumps over the lazy dog; " * 3
-MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three prime numbers, please."}]
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name three prime numbers, please."},
+]
 
 
 @pytest.mark.parametrize("kind", ["text", "chat"])
@@ -38,4 +41,7 @@ def test_without_a_tokenizer_only_token_ids_are_known() -> None:
     tokens = PromptTokens(None, 1 << 20)
     assert tokens.token_ids(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3, 1, 2]))) == [3, 1, 2]
     assert tokens.token_ids(pb.GenerateRequest(text="hello")) is None
-    assert tokens.token_ids(pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="hi")]))) is None
+    assert (
+        tokens.token_ids(pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="hi")])))
+        is None
+    )

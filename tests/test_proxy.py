@@ -34,7 +34,9 @@ class _SilentWorker(pb_grpc.WorkerServicer):
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
-    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Decode(
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         await asyncio.Event().wait()
         yield pb.GenerateResponse()
 
@@ -100,7 +102,9 @@ async def test_stats_answer_within_the_callers_deadline_when_workers_do_not(sile
 
 
 @contextlib.asynccontextmanager
-async def _stats_in_flight(caller_deadline_s: float) -> AsyncIterator[tuple[asyncio.Future[pb.StatsResponse], WorkerPool, str]]:
+async def _stats_in_flight(
+    caller_deadline_s: float,
+) -> AsyncIterator[tuple[asyncio.Future[pb.StatsResponse], WorkerPool, str]]:
     """The proxy's Stats over one silent decode worker, once the worker has its Stats call:
     (the proxy's Stats, still running; the decode pool; the worker's address)."""
     silent = _SilentWorker()
@@ -160,15 +164,22 @@ class _RecordingPrefill(pb_grpc.WorkerServicer):
 class _RecomputingDecode(pb_grpc.WorkerServicer):
     """A decode worker that never pulls (as when it recomputed) and streams its tokens."""
 
-    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Decode(
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         rid = request.request.request_id
         yield pb.GenerateResponse(request_id=rid, token_ids=[7], num_prompt_tokens=3)
-        yield pb.GenerateResponse(request_id=rid, token_ids=[8], num_prompt_tokens=3, finish_reason=pb.FINISH_REASON_LENGTH)
+        yield pb.GenerateResponse(
+            request_id=rid, token_ids=[8], num_prompt_tokens=3, finish_reason=pb.FINISH_REASON_LENGTH
+        )
 
 
 async def test_staging_is_released_when_the_decode_worker_recomputed() -> None:
     prefill_worker = _RecordingPrefill()
-    async with serving_worker(prefill_worker) as prefill_address, serving_worker(_RecomputingDecode()) as decode_address:
+    async with (
+        serving_worker(prefill_worker) as prefill_address,
+        serving_worker(_RecomputingDecode()) as decode_address,
+    ):
         prefill, decode = WorkerPool([prefill_address]), WorkerPool([decode_address])
         try:
             await asyncio.gather(prefill.check_all(5.0), decode.check_all(5.0))

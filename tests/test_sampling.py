@@ -116,7 +116,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny: LLM) -> None:
         SamplingParams(temperature=0.7, seed=7, max_tokens=3, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
     ]
-    outputs = tiny.generate([OTHER_PROMPTS[0], PROMPT, OTHER_PROMPTS[1], OTHER_PROMPTS[2]], [others[0], params, *others[1:]])
+    outputs = tiny.generate(
+        [OTHER_PROMPTS[0], PROMPT, OTHER_PROMPTS[1], OTHER_PROMPTS[2]], [others[0], params, *others[1:]]
+    )
     assert outputs[1].token_ids == alone
 
 

@@ -16,25 +16,33 @@ _KERNEL = "\tffffffff82248208 __schedule ([kernel.kallsyms])\n"
 def _switch(time: float, cpu: int, prev: tuple[str, int], state: str, nxt: tuple[str, int], frames: str = "") -> str:
     (prev_comm, prev_tid), (next_comm, next_tid) = prev, nxt
     pid = 100 if prev_tid else 0
-    return (f"{prev_comm:>16} {pid}/{prev_tid} [{cpu:03d}] {time:.6f}: sched:sched_switch: prev_comm={prev_comm} prev_pid={prev_tid} "
-            f"prev_prio=120 prev_state={state} ==> next_comm={next_comm} next_pid={next_tid} next_prio=120\n{_KERNEL}{frames}\n")
+    return (
+        f"{prev_comm:>16} {pid}/{prev_tid} [{cpu:03d}] {time:.6f}: sched:sched_switch: prev_comm={prev_comm} prev_pid={prev_tid} "
+        f"prev_prio=120 prev_state={state} ==> next_comm={next_comm} next_pid={next_tid} next_prio=120\n{_KERNEL}{frames}\n"
+    )
 
 
 IDLE, STEP_T, POOL_T, LOOP_T = ("swapper/0", 0), ("engine-step", STEP), ("kvs-pool", POOL), ("python", LOOP)
-TRACE = "".join((
-    _switch(1.000, 0, IDLE, "R", STEP_T),                  # the step thread runs on CPU 0
-    _switch(1.001, 1, POOL_T, "S", IDLE, _FUTEX),          # its pool worker sleeps: CPU 1 idles, the step computes alone
-    _switch(1.003, 0, STEP_T, "R", LOOP_T),                # the event loop preempts the step thread
-    _switch(1.004, 0, LOOP_T, "S", STEP_T, _EPOLL),        # and gives CPU 0 back
-    _switch(1.006, 0, STEP_T, "S", IDLE, _FUTEX),          # the step thread waits: both CPUs idle
-    _switch(1.010, 1, IDLE, "R", POOL_T),                  # the pool worker runs on CPU 1
-    _switch(1.011, 0, IDLE, "R", STEP_T),
-))
+TRACE = "".join(
+    (
+        _switch(1.000, 0, IDLE, "R", STEP_T),  # the step thread runs on CPU 0
+        _switch(1.001, 1, POOL_T, "S", IDLE, _FUTEX),  # its pool worker sleeps: CPU 1 idles, the step computes alone
+        _switch(1.003, 0, STEP_T, "R", LOOP_T),  # the event loop preempts the step thread
+        _switch(1.004, 0, LOOP_T, "S", STEP_T, _EPOLL),  # and gives CPU 0 back
+        _switch(1.006, 0, STEP_T, "S", IDLE, _FUTEX),  # the step thread waits: both CPUs idle
+        _switch(1.010, 1, IDLE, "R", POOL_T),  # the pool worker runs on CPU 1
+        _switch(1.011, 0, IDLE, "R", STEP_T),
+    )
+)
 
 
 def test_parse_reads_each_switch_and_the_frame_that_blocked() -> None:
     switches, names, pids = sched_trace.parse(TRACE)
-    assert [(s.cpu, s.prev, s.prev_state, s.next) for s in switches[:3]] == [(0, 0, "R", STEP), (1, POOL, "S", 0), (0, STEP, "R", LOOP)]
+    assert [(s.cpu, s.prev, s.prev_state, s.next) for s in switches[:3]] == [
+        (0, 0, "R", STEP),
+        (1, POOL, "S", 0),
+        (0, STEP, "R", LOOP),
+    ]
     assert switches[1].user_frame == "__futex_abstimed_wait_common"
     assert names[STEP] == "engine-step" and names[POOL] == "kvs-pool" and pids[STEP] == 100
 

@@ -32,7 +32,9 @@ def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int = 4, *
 def make_scheduler(
     num_blocks: int, block_size: int, max_num_seqs: int = 8, budget: int = 64, prefill_cap: int | None = None
 ) -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, block_size), max_num_seqs, budget, max_prefill_tokens_with_decode=prefill_cap)
+    return Scheduler(
+        KVCacheManager(num_blocks, block_size), max_num_seqs, budget, max_prefill_tokens_with_decode=prefill_cap
+    )
 
 
 def fake_token(request: Request) -> int:

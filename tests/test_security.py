@@ -37,7 +37,18 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)
 TOKEN = "s3cret-token"
 WORKER_NAME = "kvservice"  # the common name of every process's certificate (pki["server"])
 BLOCK_SIZE = 16
-WORKER_ARGS = ["--num-blocks", "64", "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "8", "--num-threads", "1", "--grace-period", "2"]
+WORKER_ARGS = [
+    "--num-blocks",
+    "64",
+    "--block-size",
+    str(BLOCK_SIZE),
+    "--max-num-seqs",
+    "8",
+    "--num-threads",
+    "1",
+    "--grace-period",
+    "2",
+]
 PROMPTS = [[5, 9, 11, 3, 7, 2, 8, 1, 4, 6, 10, 12, 13, 14, 15, 16, 17, 18], [40, 41, 42, 43, 44], list(range(20, 60))]
 MAX_TOKENS = 8
 
@@ -51,13 +62,20 @@ def _name(common_name: str) -> x509.Name:
 
 def _write(path: pathlib.Path, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> tuple[str, str]:
     key_path, cert_path = path.with_suffix(".key"), path.with_suffix(".pem")
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return str(cert_path), str(key_path)
 
 
 def _certificate(
-    subject: str, issuer_key: ec.EllipticCurvePrivateKey | None, issuer: x509.Name | None, *, is_ca: bool, san: bool = False
+    subject: str,
+    issuer_key: ec.EllipticCurvePrivateKey | None,
+    issuer: x509.Name | None,
+    *,
+    is_ca: bool,
+    san: bool = False,
 ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
@@ -105,8 +123,13 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TLSFiles]:
 async def cluster(pki: dict[str, TLSFiles]) -> AsyncIterator[LocalCluster]:
     tls = pki["server"].to_args()
     async with local_cluster(
-        "tiny", num_prefill=1, num_decode=1, worker_args=[*WORKER_ARGS, *tls, "--worker-peer-names", WORKER_NAME], proxy_args=[*tls, "--auth-token", TOKEN, "--http-port", "0"],
-        client_credentials=pki["client"].channel_credentials(), grace_period=2,
+        "tiny",
+        num_prefill=1,
+        num_decode=1,
+        worker_args=[*WORKER_ARGS, *tls, "--worker-peer-names", WORKER_NAME],
+        proxy_args=[*tls, "--auth-token", TOKEN, "--http-port", "0"],
+        client_credentials=pki["client"].channel_credentials(),
+        grace_period=2,
     ) as c:
         yield c
 
@@ -133,8 +156,14 @@ async def test_greedy_over_mutual_tls_matches_plain_colocated(cluster: LocalClus
 
 
 @pytest.mark.parametrize("who", ["plaintext", "no_client_cert", "rogue_cert"])
-async def test_client_without_a_trusted_certificate_is_refused(cluster: LocalCluster, pki: dict[str, TLSFiles], who: str) -> None:
-    credentials = {"plaintext": None, "no_client_cert": pki["ca_only"].channel_credentials(), "rogue_cert": pki["rogue"].channel_credentials()}[who]
+async def test_client_without_a_trusted_certificate_is_refused(
+    cluster: LocalCluster, pki: dict[str, TLSFiles], who: str
+) -> None:
+    credentials = {
+        "plaintext": None,
+        "no_client_cert": pki["ca_only"].channel_credentials(),
+        "rogue_cert": pki["rogue"].channel_credentials(),
+    }[who]
     async with KVServiceClient(cluster.address, credentials, TOKEN) as client:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await client.complete(PROMPTS[0], timeout=10, max_tokens=2, temperature=0)
@@ -142,7 +171,9 @@ async def test_client_without_a_trusted_certificate_is_refused(cluster: LocalClu
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token", TOKEN + "x", TOKEN[:-1]])
-async def test_missing_or_wrong_bearer_token_is_unauthenticated(cluster: LocalCluster, pki: dict[str, TLSFiles], token: str | None) -> None:
+async def test_missing_or_wrong_bearer_token_is_unauthenticated(
+    cluster: LocalCluster, pki: dict[str, TLSFiles], token: str | None
+) -> None:
     async with KVServiceClient(cluster.address, pki["client"].channel_credentials(), token) as client:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await client.complete(PROMPTS[0], timeout=10, max_tokens=2, temperature=0)
@@ -186,7 +217,8 @@ async def test_a_client_certificate_cannot_call_a_worker(cluster: LocalCluster, 
 async def test_worker_refuses_plaintext_and_rogue_peers(cluster: LocalCluster, pki: dict[str, TLSFiles]) -> None:
     for credentials in (None, pki["rogue"].channel_credentials()):
         channel = (
-            grpc.aio.secure_channel(cluster.prefill_addresses[0], credentials) if credentials is not None
+            grpc.aio.secure_channel(cluster.prefill_addresses[0], credentials)
+            if credentials is not None
             else grpc.aio.insecure_channel(cluster.prefill_addresses[0])
         )
         async with channel:
@@ -198,11 +230,13 @@ async def test_worker_refuses_plaintext_and_rogue_peers(cluster: LocalCluster, p
 # ---------------------------------------------------------------- KV pulls
 
 
-async def _pull(channel: grpc.aio.Channel, request: pb.PullKVRequest, timeout: float) -> tuple[list[bytes], grpc.StatusCode]:
+async def _pull(
+    channel: grpc.aio.Channel, request: pb.PullKVRequest, timeout: float
+) -> tuple[list[bytes], grpc.StatusCode]:
     """Every frame the prefill worker sends, and the call's final code."""
-    call = channel.unary_stream(PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=None)(
-        request, timeout=timeout
-    )
+    call = channel.unary_stream(
+        PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=None
+    )(request, timeout=timeout)
     frames: list[bytes] = []
     try:
         async for frame in call:
@@ -217,12 +251,22 @@ async def test_kv_pull_needs_the_transfer_token(cluster: LocalCluster, pki: dict
     address = cluster.prefill_addresses[0]
     async with grpc.aio.secure_channel(address, pki["server"].channel_credentials(), options=GRPC_OPTIONS) as channel:
         # Never registered: refused (or left to its registration deadline), never data.
-        frames, code = await _pull(channel, tiny_pull_request(BLOCK_SIZE, secrets.token_hex(8), secrets.token_bytes(16)), timeout=3)
-        assert frames == [] and code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.DEADLINE_EXCEEDED)
+        frames, code = await _pull(
+            channel, tiny_pull_request(BLOCK_SIZE, secrets.token_hex(8), secrets.token_bytes(16)), timeout=3
+        )
+        assert frames == [] and code in (
+            grpc.StatusCode.NOT_FOUND,
+            grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
 
         request_id, token = f"sec-{secrets.token_hex(4)}", secrets.token_bytes(16)
         prefill = pb.PrefillRequest(
-            request=pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=PROMPTS[2]), sampling_params=pb.SamplingParams(max_tokens=4, temperature=0)),
+            request=pb.GenerateRequest(
+                request_id=request_id,
+                token_ids=pb.TokenIds(ids=PROMPTS[2]),
+                sampling_params=pb.SamplingParams(max_tokens=4, temperature=0),
+            ),
             transfer_token=token,
         )
         await pb_grpc.WorkerStub(channel).Prefill(prefill, timeout=60)
@@ -234,10 +278,16 @@ async def test_kv_pull_needs_the_transfer_token(cluster: LocalCluster, pki: dict
         assert code is grpc.StatusCode.OK and len(frames) > 1
         # Pulled once, released: a replay gets nothing (refused, or left waiting for a new registration).
         frames, code = await _pull(channel, tiny_pull_request(BLOCK_SIZE, request_id, token), timeout=3)
-        assert frames == [] and code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert frames == [] and code in (
+            grpc.StatusCode.NOT_FOUND,
+            grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
 
 
-async def test_openai_front_is_https_with_mutual_tls_and_the_token(pki: dict[str, TLSFiles], cluster: LocalCluster) -> None:
+async def test_openai_front_is_https_with_mutual_tls_and_the_token(
+    pki: dict[str, TLSFiles], cluster: LocalCluster
+) -> None:
     """The HTTP front has the proxy's identity, wants a client certificate and the token."""
     import ssl
 
@@ -251,7 +301,9 @@ async def test_openai_front_is_https_with_mutual_tls_and_the_token(pki: dict[str
         if with_cert:
             context.load_cert_chain(client_files.cert, client_files.key)
         with openai.DefaultHttpxClient(verify=context, timeout=30) as http:
-            api = openai.OpenAI(base_url=f"{scheme}://{http_address}/v1", api_key=api_key, http_client=http, max_retries=0)
+            api = openai.OpenAI(
+                base_url=f"{scheme}://{http_address}/v1", api_key=api_key, http_client=http, max_retries=0
+            )
             out = api.completions.create(model="kvservice", prompt=[5, 6, 7], max_tokens=4, temperature=0)
             return out.choices[0].text
 

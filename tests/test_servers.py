@@ -43,8 +43,14 @@ RELEASE_DEADLINE = 10.0
 # Tiny models on 2 shared cores: one intra-op thread each, a small cache (the 50-request
 # test needs more blocks than a worker has, so admission control queues some).
 WORKER_ARGS = (
-    "--num-threads", "1", "--max-model-len", str(MAX_MODEL_LEN), "--num-blocks", "64",
-    "--kv-lease-seconds", str(LEASE_SECONDS),
+    "--num-threads",
+    "1",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--num-blocks",
+    "64",
+    "--kv-lease-seconds",
+    str(LEASE_SECONDS),
 )
 RPC_TIMEOUT = 120.0
 # A proxy given SIGTERM with nothing in flight, or a short stream, exits well within this.
@@ -59,13 +65,17 @@ async def settle(addresses: Sequence[str]) -> dict[str, pb.StatsResponse]:
     return await wait_until_idle(addresses, LEASE_SECONDS + RELEASE_DEADLINE)
 
 
-async def greedy_outputs(address: str, prompts: Sequence[Sequence[int]], max_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
+async def greedy_outputs(
+    address: str, prompts: Sequence[Sequence[int]], max_tokens: int = MAX_NEW_TOKENS
+) -> list[list[int]]:
     """All prompts at once (one batch), greedy, EOS ignored, streamed: the token ids of each."""
 
     async def one(prompt: Sequence[int]) -> list[int]:
         token_ids: list[int] = []
         finish_reason = None
-        async for chunk in client.generate(prompt, timeout=RPC_TIMEOUT, max_tokens=max_tokens, temperature=0, ignore_eos=True):
+        async for chunk in client.generate(
+            prompt, timeout=RPC_TIMEOUT, max_tokens=max_tokens, temperature=0, ignore_eos=True
+        ):
             token_ids += chunk.token_ids
             finish_reason = chunk.finish_reason or finish_reason
         assert finish_reason == "length"
@@ -151,8 +161,11 @@ async def test_health_serving(cluster: LocalCluster, worker_addresses: list[str]
 
 
 async def test_1p2d_matches_colocated_and_transformers(
-    cluster: LocalCluster, worker_addresses: list[str], llama_dir: pathlib.Path,
-    prompts: list[list[int]], expected: list[list[int]],
+    cluster: LocalCluster,
+    worker_addresses: list[str],
+    llama_dir: pathlib.Path,
+    prompts: list[list[int]],
+    expected: list[list[int]],
 ) -> None:
     before = await settle(worker_addresses)
     disaggregated = await greedy_outputs(cluster.address, prompts)
@@ -169,7 +182,9 @@ async def test_1p2d_matches_colocated_and_transformers(
         assert received.num_transfers > was.num_transfers, address
         assert received.num_bytes > was.num_bytes, address
         assert received.num_failed_transfers == was.num_failed_transfers, address
-    assert num_transfers(after, cluster.decode_addresses) - num_transfers(before, cluster.decode_addresses) == len(prompts)
+    assert num_transfers(after, cluster.decode_addresses) - num_transfers(before, cluster.decode_addresses) == len(
+        prompts
+    )
 
 
 async def test_1p1d_matches_transformers(
@@ -197,7 +212,9 @@ async def test_degraded_without_prefill_matches_transformers(
     assert num_transfers(after, cluster.decode_addresses) == num_transfers(before, cluster.decode_addresses)
 
 
-async def test_50_concurrent_streams_complete_and_free_everything(cluster: LocalCluster, worker_addresses: list[str]) -> None:
+async def test_50_concurrent_streams_complete_and_free_everything(
+    cluster: LocalCluster, worker_addresses: list[str]
+) -> None:
     await settle(worker_addresses)
     num_requests = 50
     # Up to 4 blocks of prompt each: more than the decode workers hold at once, so requests
@@ -208,7 +225,9 @@ async def test_50_concurrent_streams_complete_and_free_everything(cluster: Local
 
     async def one(client: KVServiceClient, prompt: list[int], n: int) -> tuple[int, str | None]:
         count, finish_reason = 0, None
-        async for chunk in client.generate(prompt, timeout=RPC_TIMEOUT, max_tokens=n, temperature=0.8, seed=len(prompt), ignore_eos=True):
+        async for chunk in client.generate(
+            prompt, timeout=RPC_TIMEOUT, max_tokens=n, temperature=0.8, seed=len(prompt), ignore_eos=True
+        ):
             count += len(chunk.token_ids)
             finish_reason = chunk.finish_reason or finish_reason
         return count, finish_reason
@@ -229,7 +248,9 @@ async def test_cancelled_request_frees_blocks_everywhere(cluster: LocalCluster, 
     before = await settle(worker_addresses)
 
     async with KVServiceClient(cluster.address) as client:
-        stream = client.generate(prompt, timeout=RPC_TIMEOUT, max_tokens=MAX_MODEL_LEN - len(prompt), temperature=0, ignore_eos=True)
+        stream = client.generate(
+            prompt, timeout=RPC_TIMEOUT, max_tokens=MAX_MODEL_LEN - len(prompt), temperature=0, ignore_eos=True
+        )
         num_tokens = 0
         async for chunk in stream:
             assert chunk.finish_reason is None
@@ -243,7 +264,12 @@ async def test_cancelled_request_frees_blocks_everywhere(cluster: LocalCluster, 
             before[a].num_aborted_requests for a in cluster.decode_addresses
         )
 
-    await wait_for_stats(worker_addresses, lambda s: aborted_on_decode(s) and all(map(is_idle, s.values())), "aborted on decode and idle", RELEASE_DEADLINE)
+    await wait_for_stats(
+        worker_addresses,
+        lambda s: aborted_on_decode(s) and all(map(is_idle, s.values())),
+        "aborted on decode and idle",
+        RELEASE_DEADLINE,
+    )
 
 
 BAD_REQUESTS = [
@@ -286,7 +312,8 @@ async def test_stats_command_on_a_worker(cluster: LocalCluster) -> None:
     """`kvservice stats --target` documents "a proxy or a worker": a decode worker answers too."""
     process = await asyncio.create_subprocess_exec(
         *kvservice_cmd("stats", "--target", cluster.decode_addresses[0], "--json"),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode == 0, stderr.decode()
@@ -303,8 +330,13 @@ async def test_sigterm_drains_in_flight_request(llama_dir: pathlib.Path) -> None
         async with KVServiceClient(c.address) as client:
             num_before = num_after = 0
             finish_reason = None
-            async for chunk in client.generate(random_prompts([8], seed=9)[0], timeout=RPC_TIMEOUT,
-                                               max_tokens=max_tokens, temperature=0, ignore_eos=True):
+            async for chunk in client.generate(
+                random_prompts([8], seed=9)[0],
+                timeout=RPC_TIMEOUT,
+                max_tokens=max_tokens,
+                temperature=0,
+                ignore_eos=True,
+            ):
                 if decode.returncode is None and num_before == 0:
                     num_before = len(chunk.token_ids)
                     decode.send_signal(signal.SIGTERM)
@@ -325,8 +357,13 @@ async def test_proxy_sigterm_drains_and_exits_0(cluster: LocalCluster, worker_ad
         async with KVServiceClient(address) as client:
             num_tokens = 0
             finish_reason = None
-            async for chunk in client.generate(random_prompts([8], seed=11)[0], timeout=RPC_TIMEOUT,
-                                               max_tokens=max_tokens, temperature=0, ignore_eos=True):
+            async for chunk in client.generate(
+                random_prompts([8], seed=11)[0],
+                timeout=RPC_TIMEOUT,
+                max_tokens=max_tokens,
+                temperature=0,
+                ignore_eos=True,
+            ):
                 if num_tokens == 0:
                     process.send_signal(signal.SIGTERM)
                 num_tokens += len(chunk.token_ids)
@@ -340,7 +377,8 @@ async def test_unknown_model_path_exits_2(tmp_path: pathlib.Path) -> None:
     missing = tmp_path / "no-such-model"
     process = await asyncio.create_subprocess_exec(
         *kvservice_cmd("serve", "--role", "both", "--model", str(missing), "--port", "0"),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     stdout, stderr = await asyncio.wait_for(process.communicate(), 120)
     assert process.returncode == 2, stderr.decode()

@@ -93,7 +93,13 @@ def test_a_segment_is_private_to_its_user_and_gone_from_the_namespace_once_unlin
 
 @pytest.mark.parametrize(
     "name",
-    ["../../etc/passwd", "kvservice-kv-1-" + "z" * 32, "kvservice-kv-1-" + "a" * 31, "other", "kvservice-kv-1-" + "a" * 32 + "/x"],
+    [
+        "../../etc/passwd",
+        "kvservice-kv-1-" + "z" * 32,
+        "kvservice-kv-1-" + "a" * 31,
+        "other",
+        "kvservice-kv-1-" + "a" * 32 + "/x",
+    ],
 )
 def test_open_refuses_any_name_but_a_segments(name: str) -> None:
     with pytest.raises(SharedMemoryUnavailable):
@@ -171,7 +177,9 @@ class _Prefill:
     def stage(self, request_id: str, token: bytes, chunk_blocks: int) -> None:
         connector = PrefillKVConnector(self.registry, chunk_bytes=chunk_blocks * BLOCK)
         self.registry.register(request_id, token, self.num_tokens)
-        connector.bind_connector_metadata(PrefillConnectorMetadata([SaveSpec(request_id, 0, list(range(self.num_blocks)))]))
+        connector.bind_connector_metadata(
+            PrefillConnectorMetadata([SaveSpec(request_id, 0, list(range(self.num_blocks)))])
+        )
         no_attention = AttentionMetadata(torch.empty(0, dtype=torch.long), 0, None, None, [])
         for layer, kv_layer in enumerate(self.kv_caches):
             connector.save_kv_layer(layer, kv_layer, no_attention)
@@ -193,7 +201,11 @@ async def _serving(prefill: _Prefill) -> AsyncIterator[str]:
     """`prefill`'s PullKV on 127.0.0.1; its address."""
     handler = grpc.method_handlers_generic_handler(
         "kvservice.v1.KVTransfer",
-        {"PullKV": grpc.unary_stream_rpc_method_handler(prefill.pull_kv, request_deserializer=pb.PullKVRequest.FromString)},
+        {
+            "PullKV": grpc.unary_stream_rpc_method_handler(
+                prefill.pull_kv, request_deserializer=pb.PullKVRequest.FromString
+            )
+        },
     )
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((handler,))
@@ -277,7 +289,9 @@ async def test_a_segment_serves_the_next_pull_from_the_same_prefill_worker_once_
         segments.close()
 
 
-async def test_a_segment_whose_pull_failed_or_was_not_used_is_never_offered_again(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_segment_whose_pull_failed_or_was_not_used_is_never_offered_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     segments = SegmentPool()
     monkeypatch.setenv(FAULT_CORRUPT_CHUNK_EVERY, "2")
     prefill = _Prefill(num_tokens=9, num_staged=3)  # its service corrupts every second chunk
@@ -331,8 +345,14 @@ async def test_a_corrupted_byte_in_the_segment_fails_the_pull(monkeypatch: pytes
 def _header_only(request_id: str, position: int, num_blocks: int = 1, layer: int = 0) -> bytes:
     payload = np.zeros(num_blocks * BLOCK, dtype=np.uint8)
     return wire.encode_chunk(
-        request_id=request_id, layer=layer, first_block=0, num_blocks=num_blocks, dtype="bfloat16",
-        shape=LAYOUT.blocks_shape(num_blocks), payload=memoryview(payload), shared_memory_position=position,
+        request_id=request_id,
+        layer=layer,
+        first_block=0,
+        num_blocks=num_blocks,
+        dtype="bfloat16",
+        shape=LAYOUT.blocks_shape(num_blocks),
+        payload=memoryview(payload),
+        shared_memory_position=position,
     )
 
 
@@ -382,9 +402,13 @@ async def test_a_cluster_with_kv_transfer_shm_moves_every_kv_byte_through_segmen
     async with local_cluster("tiny", worker_args=["--num-threads", "1", "--kv-transfer-shm"]) as cluster:
         async with KVServiceClient(cluster.address) as client:
             outputs = [
-                list((await client.complete(p, timeout=60, max_tokens=6, temperature=0, ignore_eos=True)).token_ids) for p in prompts
+                list((await client.complete(p, timeout=60, max_tokens=6, temperature=0, ignore_eos=True)).token_ids)
+                for p in prompts
             ]
-        async with KVServiceClient(cluster.decode_addresses[0]) as decode, KVServiceClient(cluster.prefill_addresses[0]) as prefill:
+        async with (
+            KVServiceClient(cluster.decode_addresses[0]) as decode,
+            KVServiceClient(cluster.prefill_addresses[0]) as prefill,
+        ):
             received, sent = (await decode.stats()).kv_receiving, (await prefill.stats()).kv_sending
     assert outputs == tiny_greedy(prompts, 6)
     assert (received.num_transfers, received.num_failed_transfers) == (len(prompts), 0)
@@ -398,7 +422,9 @@ def test_the_sweep_removes_old_names_of_dead_pullers_only() -> None:
     import sys
     import time
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead_pid = int(dead.stdout)
     old = time.time() - 2 * shared_memory.ORPHAN_AGE_SECONDS
     names = {

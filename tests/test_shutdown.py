@@ -44,9 +44,26 @@ async def _not_serving(channel: grpc.aio.Channel, watch: grpc.aio.UnaryStreamCal
 
 async def test_a_stopping_prefill_worker_serves_pulls_of_what_it_staged() -> None:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvservice", "serve", "--role", "prefill", "--model", "tiny", "--port", "0",
-        "--num-blocks", "64", "--block-size", str(BLOCK_SIZE), "--num-threads", "1", "--grace-period", str(GRACE_S),
-        stdout=asyncio.subprocess.PIPE, env={**os.environ, **WORKER_ENV},
+        sys.executable,
+        "-m",
+        "kvservice",
+        "serve",
+        "--role",
+        "prefill",
+        "--model",
+        "tiny",
+        "--port",
+        "0",
+        "--num-blocks",
+        "64",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--num-threads",
+        "1",
+        "--grace-period",
+        str(GRACE_S),
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, **WORKER_ENV},
     )
     assert process.stdout is not None
     try:
@@ -55,7 +72,11 @@ async def test_a_stopping_prefill_worker_serves_pulls_of_what_it_staged() -> Non
         async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
             worker = pb_grpc.WorkerStub(channel)
             token = secrets.token_bytes(32)
-            staged = pb.GenerateRequest(request_id="staged", token_ids=pb.TokenIds(ids=list(range(1, 40))), sampling_params=pb.SamplingParams(max_tokens=4))
+            staged = pb.GenerateRequest(
+                request_id="staged",
+                token_ids=pb.TokenIds(ids=list(range(1, 40))),
+                sampling_params=pb.SamplingParams(max_tokens=4),
+            )
             await worker.Prefill(pb.PrefillRequest(request=staged, transfer_token=token), timeout=60)
 
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
@@ -64,12 +85,16 @@ async def test_a_stopping_prefill_worker_serves_pulls_of_what_it_staged() -> Non
             await asyncio.wait_for(_not_serving(channel, watch), 30)
             watch.cancel()
 
-            late = pb.GenerateRequest(request_id="late", token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling_params=pb.SamplingParams(max_tokens=4))
+            late = pb.GenerateRequest(
+                request_id="late", token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling_params=pb.SamplingParams(max_tokens=4)
+            )
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await worker.Prefill(pb.PrefillRequest(request=late, transfer_token=token), timeout=30)
             assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
 
-            pull = channel.unary_stream(PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=None)
+            pull = channel.unary_stream(
+                PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=None
+            )
             frames = [frame async for frame in pull(tiny_pull_request(BLOCK_SIZE, "staged", token), timeout=30)]
         assert wire.decode_frame(frames[-1]).done is not None, "the pull ended without its done frame"
         started = time.monotonic()
@@ -83,20 +108,35 @@ async def test_a_stopping_prefill_worker_serves_pulls_of_what_it_staged() -> Non
 
 async def test_a_stopping_proxy_refuses_new_http_requests_and_finishes_in_flight_ones() -> None:
     async with local_cluster(
-        "tiny", worker_args=["--num-blocks", "512", "--num-threads", "1"], proxy_args=["--http-port", "0"], grace_period=GRACE_S
+        "tiny",
+        worker_args=["--num-blocks", "512", "--num-threads", "1"],
+        proxy_args=["--http-port", "0"],
+        grace_period=GRACE_S,
     ) as cluster:
         proxy = cluster.child("proxy")
         for child in cluster.children:  # the launcher gives each child the grace it waits for
             cmdline = open(f"/proc/{child.process.pid}/cmdline", "rb").read().split(b"\0")
-            assert cmdline[len(cmdline) - 1 - cmdline[::-1].index(b"--grace-period") + 1] == f"{GRACE_S:g}".encode(), child.name
+            assert cmdline[len(cmdline) - 1 - cmdline[::-1].index(b"--grace-period") + 1] == f"{GRACE_S:g}".encode(), (
+                child.name
+            )
         base = f"http://{proxy.http_address}"
         # A long gRPC stream keeps the gRPC side draining for a while.
-        grpc_request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[4, 5, 6]), sampling_params=pb.SamplingParams(temperature=0, max_tokens=1200, ignore_eos=True))
+        grpc_request = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[4, 5, 6]),
+            sampling_params=pb.SamplingParams(temperature=0, max_tokens=1200, ignore_eos=True),
+        )
         async with grpc.aio.insecure_channel(cluster.address) as channel:
             grpc_stream = pb_grpc.GenerationStub(channel).Generate(grpc_request, timeout=120)
             await grpc_stream.read()  # it has started
             async with aiohttp.ClientSession() as session:
-                body = {"model": "kvservice", "prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+                body = {
+                    "model": "kvservice",
+                    "prompt": [1, 2, 3],
+                    "max_tokens": 200,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "stream": True,
+                }
                 async with session.post(f"{base}/v1/completions", json=body) as in_flight:
                     assert in_flight.status == 200
                     await in_flight.content.readline()  # the stream has started

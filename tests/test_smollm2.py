@@ -40,7 +40,6 @@ CONVERSATIONS: list[list[dict[str, str]]] = [
 PLAIN_PROMPTS = ["The quick brown fox"]
 
 
-
 # ------------------------------------------------------------ SmolLM2 against transformers
 
 
@@ -95,7 +94,9 @@ def prefill_logits(model: CausalLM, prompt: list[int]) -> torch.Tensor:
     cfg, num_tokens = model.config, len(prompt)
     dtype = model.model.embed_tokens.weight.dtype
     num_blocks = -(-num_tokens // 16)
-    kv = [torch.zeros(2, num_blocks, 16, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype) for _ in model.model.layers]
+    kv = [
+        torch.zeros(2, num_blocks, 16, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype) for _ in model.model.layers
+    ]
     meta = AttentionMetadata(torch.arange(num_tokens), 0, None, None, [PrefillSpan(0, num_tokens)])
     return model.compute_logits(model(torch.tensor(prompt), torch.arange(num_tokens), kv, meta))
 
@@ -187,7 +188,6 @@ def test_smollm2_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyP
     assert "\n" not in str(info.value)
 
 
-
 class _LayerHooks:
     """A connector with per-layer hooks (recorded), as the forward sees one."""
 
@@ -204,7 +204,9 @@ class _LayerHooks:
 
 
 @pytest.mark.slow
-def test_smollm2_decode_layer_calls_give_the_per_op_paths_numbers(smollm2_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_smollm2_decode_layer_calls_give_the_per_op_paths_numbers(
+    smollm2_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A decode step's layers in C++ run the per-op path's kernels in its order: the same
     logprobs to the bit, at batch 1 and 3, both as one call for all layers (`decode_layers_`,
     a step without per-layer hooks) and as one call a layer with the hooks between (`decode_layer_`)."""
@@ -213,7 +215,9 @@ def test_smollm2_decode_layer_calls_give_the_per_op_paths_numbers(smollm2_llm: L
     calls: list[str] = []
     for name in ("decode_layer_", "decode_layers_"):
         original = getattr(torch.ops.kvservice, name)
-        monkeypatch.setattr(torch.ops.kvservice, name, lambda *args, name=name, original=original: calls.append(name) or original(*args))
+        monkeypatch.setattr(
+            torch.ops.kvservice, name, lambda *args, name=name, original=original: calls.append(name) or original(*args)
+        )
     num_layers = smollm2_llm.engine.loaded.model.config.num_hidden_layers
     hooks = _LayerHooks()
     run_layers = model_module.run_decode_layers
@@ -258,8 +262,19 @@ def test_smollm2_decode_layer_refuses_a_slot_outside_the_cache(smollm2_llm: LLM)
 
     def call(slot: int) -> None:
         torch.ops.kvservice.decode_layer_(
-            residual.clone(), x, *args[0], kv_layer, torch.tensor([3]), rope.cos_table, rope.sin_table,
-            torch.tensor([slot]), block_table, starts, 1, model.config.head_dim**-0.5, None,
+            residual.clone(),
+            x,
+            *args[0],
+            kv_layer,
+            torch.tensor([3]),
+            rope.cos_table,
+            rope.sin_table,
+            torch.tensor([slot]),
+            block_table,
+            starts,
+            1,
+            model.config.head_dim**-0.5,
+            None,
         )
 
     for slot in (num_slots, -1):

@@ -38,10 +38,19 @@ async def test_served_logprobs_match_transformers(
     if deployment == "colocated":
         kwargs: dict[str, Any] = dict(worker_args=(*worker_args, "--http-port", "0"), colocated=True)
     else:
-        kwargs = dict(worker_args=worker_args, proxy_args=("--http-port", "0", "--model", MODEL, "--health-interval", "0.2"))
+        kwargs = dict(
+            worker_args=worker_args, proxy_args=("--http-port", "0", "--model", MODEL, "--health-interval", "0.2")
+        )
     prompt_ids = smollm2_hf_tokenizer(PROMPT)["input_ids"]
-    body = {"model": MODEL, "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": NUM_TOP, "echo": True,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": prompt_ids,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": NUM_TOP,
+        "echo": True,
+        "ignore_eos": True,
+    }
     async with local_cluster(MODEL, startup_timeout=240, **kwargs) as cluster:
         front = cluster.child("both" if cluster.colocated else "proxy").http_address
         # Twice: with caching on, the second request's prompt is cached and still computed for its logprobs.
@@ -62,4 +71,3 @@ async def test_served_logprobs_match_transformers(
         assert choice["token_ids"] == [int(reference[len(prompt_ids) - 1 + i].argmax()) for i in range(MAX_TOKENS)]
     assert answers[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert answers[1]["choices"][0]["token_ids"] == answers[0]["choices"][0]["token_ids"]
-

@@ -21,7 +21,10 @@ MAX_TOKENS = 24
 WORKER_ARGS = ("--num-threads", "1", "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-mib", "64")
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You answer in one short sentence."}, {"role": "user", "content": "Why is the sky blue?"}],
+    [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ],
     [
         {"role": "user", "content": "Hi!"},
         {"role": "assistant", "content": "Hello! How can I help you today?"},
@@ -45,7 +48,9 @@ def offline(llm: LLM, messages: list[dict[str, str]], **params: object) -> tuple
 
 
 @pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
-async def test_chat_through_the_cluster_equals_offline_greedy(client: openai.AsyncOpenAI, smollm2_llm: LLM, index: int) -> None:
+async def test_chat_through_the_cluster_equals_offline_greedy(
+    client: openai.AsyncOpenAI, smollm2_llm: LLM, index: int
+) -> None:
     messages = CONVERSATIONS[index]
     text, finish_reason, num_tokens = offline(smollm2_llm, messages)
     model = (await client.models.list()).data[0].id
@@ -55,7 +60,9 @@ async def test_chat_through_the_cluster_equals_offline_greedy(client: openai.Asy
     assert whole.usage is not None
     prompt_ids = apply_chat_template(smollm2_llm.tokenizer, messages)
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(prompt_ids), num_tokens)
-    stream = await client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=MAX_TOKENS, stream=True)  # type: ignore[arg-type]
+    stream = await client.chat.completions.create(
+        model=model, messages=messages, temperature=0, max_tokens=MAX_TOKENS, stream=True
+    )  # type: ignore[arg-type]
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish_reason
@@ -66,6 +73,8 @@ async def test_a_stop_string_ends_the_answer_before_it(client: openai.AsyncOpenA
     text, _, _ = offline(smollm2_llm, messages)
     assert "Paris" in text  # "The capital of France is Paris."
     model = (await client.models.list()).data[0].id
-    answer = await client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=MAX_TOKENS, stop=["Paris"])  # type: ignore[arg-type]
+    answer = await client.chat.completions.create(
+        model=model, messages=messages, temperature=0, max_tokens=MAX_TOKENS, stop=["Paris"]
+    )  # type: ignore[arg-type]
     assert answer.choices[0].message.content == text[: text.index("Paris")]
     assert answer.choices[0].finish_reason == "stop"

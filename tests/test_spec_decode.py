@@ -69,7 +69,9 @@ def test_seeded_sampling_with_speculation_is_reproducible(models: tuple[pathlib.
     target, draft = models
     params = SamplingParams(temperature=0.8, top_k=50, max_tokens=20, seed=7, ignore_eos=True)
     runs = [
-        LLM(str(target), draft_model=str(draft), num_speculative_tokens=2, **ENGINE).generate(random_prompts([12], seed=5), params)
+        LLM(str(target), draft_model=str(draft), num_speculative_tokens=2, **ENGINE).generate(
+            random_prompts([12], seed=5), params
+        )
         for _ in range(2)
     ]
     assert runs[0][0].token_ids == runs[1][0].token_ids
@@ -188,7 +190,16 @@ async def test_disaggregated_speculative_greedy_equals_plain_and_frees_everythin
     target, draft = models
     prompts = random_prompts([7, 33], seed=11)
     plain = LLM(str(target), **ENGINE).generate(prompts, GREEDY)
-    worker_args = ["--num-blocks", "64", "--num-threads", "1", "--draft-model", str(draft), "--num-speculative-tokens", "3"]
+    worker_args = [
+        "--num-blocks",
+        "64",
+        "--num-threads",
+        "1",
+        "--draft-model",
+        str(draft),
+        "--num-speculative-tokens",
+        "3",
+    ]
     async with local_cluster(str(target), num_prefill=1, num_decode=1, worker_args=worker_args) as cluster:
         async with KVServiceClient(cluster.address) as client:
             for prompt, expected in zip(prompts, plain):

@@ -25,7 +25,9 @@ def test_off_unless_the_variable_names_a_directory(monkeypatch: pytest.MonkeyPat
     assert LLMEngine("tiny", EngineConfig(num_blocks=16, max_model_len=64)).step_trace is None
 
 
-def test_an_engine_records_every_step_that_computed_in_order(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+def test_an_engine_records_every_step_that_computed_in_order(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
     monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))
     engine = LLMEngine("tiny", EngineConfig(num_blocks=32, max_model_len=64))
     trace = engine.step_trace
@@ -53,7 +55,9 @@ def test_a_traced_process_writes_its_file_when_it_exits(tmp_path: pathlib.Path) 
         "while engine.has_unfinished_requests():\n"
         "    engine.step()\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, TRACE_DIR_ENV: str(tmp_path)}, timeout=120)
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, env={**os.environ, TRACE_DIR_ENV: str(tmp_path)}, timeout=120
+    )
     (path,) = tmp_path.glob("steps-*.json")
     assert len(json.loads(path.read_text())["steps"]) == 2
 

@@ -98,7 +98,10 @@ def test_streamed_text_is_the_text_before_the_first_stop(text: str, stop: list[s
 
 
 @settings(max_examples=200, deadline=None)
-@given(text=st.text(alphabet="ab", max_size=30), stop=st.lists(st.text(alphabet="ab", min_size=2, max_size=5), min_size=1, max_size=3))
+@given(
+    text=st.text(alphabet="ab", max_size=30),
+    stop=st.lists(st.text(alphabet="ab", min_size=2, max_size=5), min_size=1, max_size=3),
+)
 def test_at_most_the_longest_stop_minus_one_is_held(text: str, stop: list[str]) -> None:
     checker = StopStringChecker(stop)
     pushed = ""

@@ -59,7 +59,9 @@ async def stream(address: str, **params: object) -> list[GenerateChunk]:
 @pytest.fixture(scope="module")
 def full() -> tuple[list[int], str]:
     """The greedy output without stop strings, in this process: the reference every case cuts."""
-    [out] = LLM("tiny", num_blocks=64).generate(PROMPT, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
+    [out] = LLM("tiny", num_blocks=64).generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    )
     assert len(out.token_ids) == NUM_TOKENS and out.finish_reason == "length"
     assert out.text[:2].isascii() and out.text[:2].isprintable(), out.text  # the cases below rely on it
     return out.token_ids, out.text
@@ -94,7 +96,9 @@ def cases(text: str) -> dict[str, tuple[str, str]]:
 
 
 @pytest.mark.parametrize("case", ["later", "in_first_token", "starts_in_first_token", "only_looks_like_it"])
-async def test_stop_string_text_and_finish_reason(cluster: LocalCluster, full: tuple[list[int], str], case: str) -> None:
+async def test_stop_string_text_and_finish_reason(
+    cluster: LocalCluster, full: tuple[list[int], str], case: str
+) -> None:
     full_ids, full_text = full
     stop, expected = cases(full_text)[case]
     chunks = await stream(cluster.address, stop=[stop])

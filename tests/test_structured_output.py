@@ -29,24 +29,97 @@ _SHORT = {"type": "string", "maxLength": 12}
 
 
 def _object(properties: dict[str, object], **extra: object) -> dict[str, object]:
-    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False, **extra}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+        **extra,
+    }
 
 
 SCHEMAS: dict[str, dict[str, object]] = {
-    "nested objects": _object({"name": _SHORT, "address": _object({"city": _SHORT, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}})}),
-    "array with min/maxItems": _object({"scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100}, "minItems": 2, "maxItems": 4}}),
+    "nested objects": _object(
+        {"name": _SHORT, "address": _object({"city": _SHORT, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}})}
+    ),
+    "array with min/maxItems": _object(
+        {
+            "scores": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 100},
+                "minItems": 2,
+                "maxItems": 4,
+            }
+        }
+    ),
     "enums": _object({"color": {"enum": ["red", "green", "blue"]}, "size": {"enum": [1, 2, None, "XL"]}}),
-    "number ranges": _object({"ratio": {"type": "number", "minimum": -1.5, "maximum": 2.25}, "count": {"type": "integer", "exclusiveMinimum": 0, "maximum": 50}}),
-    "booleans and null": _object({"ok": {"type": "boolean"}, "missing": {"type": "null"}, "maybe": {"type": ["boolean", "null"]}}),
-    "array of objects": _object({"items": {"type": "array", "items": _object({"id": {"type": "integer", "minimum": 1, "maximum": 999}, "tag": _SHORT}), "maxItems": 3}}),
-    "const and anyOf": _object({"version": {"const": 2}, "value": {"anyOf": [{"type": "integer", "maximum": 9}, {"type": "string", "maxLength": 4}]}}),
-    "$defs and $ref": {"$defs": {"point": _object({"x": {"type": "integer"}, "y": {"type": "integer"}})}, **_object({"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}})},
-    "recursive tree": {"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
-                                          "required": ["v"], "additionalProperties": False}}, "$ref": "#/$defs/node"},
-    "optional properties": {"type": "object", "properties": {"a": _SHORT, "b": {"type": "integer"}}, "required": ["a"], "additionalProperties": False},
-    "formats and patterns": _object({"day": {"type": "string", "format": "date"}, "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}}),
-    "prefixItems tuple": _object({"pair": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "boolean"}], "items": False, "minItems": 2}}),
-    "multipleOf": _object({"n": {"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 1000}, "x": {"type": "number", "multipleOf": 0.25, "minimum": 0, "maximum": 10}}),
+    "number ranges": _object(
+        {
+            "ratio": {"type": "number", "minimum": -1.5, "maximum": 2.25},
+            "count": {"type": "integer", "exclusiveMinimum": 0, "maximum": 50},
+        }
+    ),
+    "booleans and null": _object(
+        {"ok": {"type": "boolean"}, "missing": {"type": "null"}, "maybe": {"type": ["boolean", "null"]}}
+    ),
+    "array of objects": _object(
+        {
+            "items": {
+                "type": "array",
+                "items": _object({"id": {"type": "integer", "minimum": 1, "maximum": 999}, "tag": _SHORT}),
+                "maxItems": 3,
+            }
+        }
+    ),
+    "const and anyOf": _object(
+        {
+            "version": {"const": 2},
+            "value": {"anyOf": [{"type": "integer", "maximum": 9}, {"type": "string", "maxLength": 4}]},
+        }
+    ),
+    "$defs and $ref": {
+        "$defs": {"point": _object({"x": {"type": "integer"}, "y": {"type": "integer"}})},
+        **_object({"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}}),
+    },
+    "recursive tree": {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {
+                    "v": {"type": "integer"},
+                    "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+                },
+                "required": ["v"],
+                "additionalProperties": False,
+            }
+        },
+        "$ref": "#/$defs/node",
+    },
+    "optional properties": {
+        "type": "object",
+        "properties": {"a": _SHORT, "b": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+    "formats and patterns": _object(
+        {"day": {"type": "string", "format": "date"}, "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}}
+    ),
+    "prefixItems tuple": _object(
+        {
+            "pair": {
+                "type": "array",
+                "prefixItems": [{"type": "integer"}, {"type": "boolean"}],
+                "items": False,
+                "minItems": 2,
+            }
+        }
+    ),
+    "multipleOf": _object(
+        {
+            "n": {"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 1000},
+            "x": {"type": "number", "multipleOf": 0.25, "minimum": 0, "maximum": 10},
+        }
+    ),
 }
 
 UNSUPPORTED: dict[str, dict[str, object]] = {
@@ -58,7 +131,11 @@ UNSUPPORTED: dict[str, dict[str, object]] = {
     "dependentRequired": {"type": "object", "dependentRequired": {"a": ["b"]}},
     "unevaluatedProperties": {"type": "object", "unevaluatedProperties": False},
     "oneOf": {"oneOf": [{"type": "integer"}, {"type": "number"}]},  # overlapping branches
-    "min/maxProperties": {"type": "object", "properties": {"a": {"type": "string"}}, "minProperties": 1},  # unless all are required
+    "min/maxProperties": {
+        "type": "object",
+        "properties": {"a": {"type": "string"}},
+        "minProperties": 1,
+    },  # unless all are required
     "https://example.com/x.json": {"$ref": "https://example.com/x.json"},  # never fetched
     "look-around": {"type": "string", "pattern": "(?=a)abc"},
     "bogus-format": {"type": "string", "format": "bogus-format"},
@@ -73,7 +150,9 @@ def smollm2() -> tuple[Tokenizer, GrammarCompiler]:
     return tokenizer, GrammarCompiler(tokenizer, config.vocab_size, config.eos_token_ids)
 
 
-def _generate(compiler: GrammarCompiler, params: StructuredOutputParams, seed: int, max_tokens: int = 1000) -> tuple[list[int], GrammarMatcher]:
+def _generate(
+    compiler: GrammarCompiler, params: StructuredOutputParams, seed: int, max_tokens: int = 1000
+) -> tuple[list[int], GrammarMatcher]:
     """Greedy over random logits: mask -> argmax -> accept, until the grammar terminates (EOS not returned)."""
     generator = torch.Generator().manual_seed(seed)
     matcher = compiler.matcher(params)
@@ -109,21 +188,24 @@ def test_params_hold_exactly_one_constraint() -> None:
         StructuredOutputParams(json_object=True, json_schema="{}")
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [
-    ({"json_schema": "{not json"}, "json_schema"),
-    ({"json_schema": "[1, 2]"}, "json_schema"),
-    ({"json_schema": '{"maximum": 1e400}'}, "json_schema"),
-    ({"json_schema": '{"description": "' + "x" * MAX_GRAMMAR_BYTES + '"}'}, "json_schema"),
-    ({"regex": ""}, "regex"),
-    ({"regex": "a" * 5000}, "regex"),
-    ({"choice": ()}, "choice"),
-    ({"choice": ("a", "")}, "choice"),
-    ({"choice": tuple(str(i) for i in range(MAX_CHOICES + 1))}, "choice"),
-    ({"choice": ("a", 1)}, "choice"),
-    ({"grammar": "  "}, "grammar"),
-    ({"grammar": "x" * (MAX_GRAMMAR_BYTES + 1)}, "grammar"),
-    ({"json_object": "yes"}, "json_object"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"json_schema": "[1, 2]"}, "json_schema"),
+        ({"json_schema": '{"maximum": 1e400}'}, "json_schema"),
+        ({"json_schema": '{"description": "' + "x" * MAX_GRAMMAR_BYTES + '"}'}, "json_schema"),
+        ({"regex": ""}, "regex"),
+        ({"regex": "a" * 5000}, "regex"),
+        ({"choice": ()}, "choice"),
+        ({"choice": ("a", "")}, "choice"),
+        ({"choice": tuple(str(i) for i in range(MAX_CHOICES + 1))}, "choice"),
+        ({"choice": ("a", 1)}, "choice"),
+        ({"grammar": "  "}, "grammar"),
+        ({"grammar": "x" * (MAX_GRAMMAR_BYTES + 1)}, "grammar"),
+        ({"json_object": "yes"}, "json_object"),
+    ],
+)
 def test_bad_params_name_their_field(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
         StructuredOutputParams(**kwargs)  # type: ignore[arg-type]
@@ -132,7 +214,9 @@ def test_bad_params_name_their_field(kwargs: dict[str, object], field: str) -> N
 def test_a_schema_is_stored_compact_with_its_key_order_kept() -> None:
     params = StructuredOutputParams(json_schema='{"type": "object",\n "properties": {"b": {}, "a": {}}}')
     assert params.json_schema == '{"type":"object","properties":{"b":{},"a":{}}}'
-    assert params == StructuredOutputParams(json_schema='{"type":"object","properties":{"b":{},"a":{}}}')  # one cache entry
+    assert params == StructuredOutputParams(
+        json_schema='{"type":"object","properties":{"b":{},"a":{}}}'
+    )  # one cache entry
     assert StructuredOutputParams(choice=["x", "y"]).choice == ("x", "y")  # type: ignore[arg-type]
 
 
@@ -141,7 +225,9 @@ def test_openai_response_format() -> None:
     assert from_response_format(None) is None
     assert from_response_format({"type": "text"}) is None
     assert from_response_format({"type": "json_object"}) == StructuredOutputParams(json_object=True)
-    params = from_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})
+    params = from_response_format(
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    )
     assert params is not None and json.loads(params.json_schema or "") == schema
     for bad, field in [
         ("json", "response_format"),
@@ -158,9 +244,13 @@ def test_openai_response_format() -> None:
 def test_vllm_structured_outputs() -> None:
     assert from_structured_outputs(None) is None
     assert from_structured_outputs({"json": None, "regex": None, "disable_any_whitespace": True}) is None
-    assert from_structured_outputs({"regex": "[a-z]+", "disable_fallback": True}) == StructuredOutputParams(regex="[a-z]+")
+    assert from_structured_outputs({"regex": "[a-z]+", "disable_fallback": True}) == StructuredOutputParams(
+        regex="[a-z]+"
+    )
     assert from_structured_outputs({"choice": ["a", "b"]}) == StructuredOutputParams(choice=("a", "b"))
-    assert from_structured_outputs({"json": {"type": "object"}}) == from_structured_outputs({"json": '{"type": "object"}'})
+    assert from_structured_outputs({"json": {"type": "object"}}) == from_structured_outputs(
+        {"json": '{"type": "object"}'}
+    )
     assert from_structured_outputs({"json_object": True}) == StructuredOutputParams(json_object=True)
     assert from_structured_outputs({"grammar": 'root ::= "a"'}) == StructuredOutputParams(grammar='root ::= "a"')
     for bad, field in [
@@ -181,7 +271,9 @@ def test_vllm_structured_outputs() -> None:
 
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
-def test_constrained_greedy_output_validates_against_the_schema(smollm2: tuple[Tokenizer, GrammarCompiler], name: str) -> None:
+def test_constrained_greedy_output_validates_against_the_schema(
+    smollm2: tuple[Tokenizer, GrammarCompiler], name: str
+) -> None:
     tokenizer, compiler = smollm2
     schema = SCHEMAS[name]
     params = StructuredOutputParams(json_schema=json.dumps(schema))
@@ -198,7 +290,9 @@ def test_json_object_mode_yields_a_json_object(smollm2: tuple[Tokenizer, Grammar
         assert isinstance(json.loads(tokenizer.decode(token_ids)), dict)
 
 
-@pytest.mark.parametrize("regex", [r"[0-9]{3}-[a-z]{2,5}", r"^(on|off)$", r"(yes|no), (red|green|blue)!", r"[A-Z][a-z]{1,6} \d{1,2}(\.\d)?"])
+@pytest.mark.parametrize(
+    "regex", [r"[0-9]{3}-[a-z]{2,5}", r"^(on|off)$", r"(yes|no), (red|green|blue)!", r"[A-Z][a-z]{1,6} \d{1,2}(\.\d)?"]
+)
 def test_regex_mode_matches_the_whole_output(smollm2: tuple[Tokenizer, GrammarCompiler], regex: str) -> None:
     tokenizer, compiler = smollm2
     for seed in range(3):
@@ -213,11 +307,16 @@ def test_choice_mode_yields_one_choice(smollm2: tuple[Tokenizer, GrammarCompiler
     assert seen <= set(choices) and len(seen) > 1, seen
 
 
-@pytest.mark.parametrize(("grammar", "pattern"), [
-    ('root ::= "(" [0-9]+ ("+" [0-9]+)* ")"', r"\([0-9]+(\+[0-9]+)*\)"),  # GBNF (llama.cpp)
-    ('start: "SELECT " COL " FROM t"\nCOL: /[a-z]{1,8}/', r"SELECT [a-z]{1,8} FROM t"),  # Lark
-])
-def test_grammar_mode_follows_the_grammar(smollm2: tuple[Tokenizer, GrammarCompiler], grammar: str, pattern: str) -> None:
+@pytest.mark.parametrize(
+    ("grammar", "pattern"),
+    [
+        ('root ::= "(" [0-9]+ ("+" [0-9]+)* ")"', r"\([0-9]+(\+[0-9]+)*\)"),  # GBNF (llama.cpp)
+        ('start: "SELECT " COL " FROM t"\nCOL: /[a-z]{1,8}/', r"SELECT [a-z]{1,8} FROM t"),  # Lark
+    ],
+)
+def test_grammar_mode_follows_the_grammar(
+    smollm2: tuple[Tokenizer, GrammarCompiler], grammar: str, pattern: str
+) -> None:
     tokenizer, compiler = smollm2
     for seed in range(3):
         text = tokenizer.decode(_generate(compiler, StructuredOutputParams(grammar=grammar), seed)[0])
@@ -225,7 +324,9 @@ def test_grammar_mode_follows_the_grammar(smollm2: tuple[Tokenizer, GrammarCompi
 
 
 @pytest.mark.parametrize("feature", list(UNSUPPORTED))
-def test_unsupported_schema_features_are_refused_by_name(smollm2: tuple[Tokenizer, GrammarCompiler], feature: str) -> None:
+def test_unsupported_schema_features_are_refused_by_name(
+    smollm2: tuple[Tokenizer, GrammarCompiler], feature: str
+) -> None:
     params = StructuredOutputParams(json_schema=json.dumps(UNSUPPORTED[feature]))
     with pytest.raises(ValueError, match=f"^json_schema: .*{re.escape(feature)}"):
         check_supported(params)  # the front's check: no tokenizer
@@ -240,14 +341,19 @@ def test_a_schema_cannot_turn_on_lenient_mode() -> None:
         check_supported(StructuredOutputParams(json_schema=json.dumps(schema)))
 
 
-@pytest.mark.parametrize(("params", "message"), [
-    (StructuredOutputParams(regex="(a"), "^regex: .*unclosed group"),
-    (StructuredOutputParams(regex=r"[^\s\S]"), "^regex: no output can match it"),
-    (StructuredOutputParams(grammar="start: foo"), '^grammar: .*unknown name: "foo"'),
-    (StructuredOutputParams(grammar="root ::= foo"), "^grammar: .*'foo' not found"),
-    (StructuredOutputParams(json_schema='{"type": "strin"}'), "^json_schema: .*strin"),
-])
-def test_invalid_grammars_are_refused(smollm2: tuple[Tokenizer, GrammarCompiler], params: StructuredOutputParams, message: str) -> None:
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (StructuredOutputParams(regex="(a"), "^regex: .*unclosed group"),
+        (StructuredOutputParams(regex=r"[^\s\S]"), "^regex: no output can match it"),
+        (StructuredOutputParams(grammar="start: foo"), '^grammar: .*unknown name: "foo"'),
+        (StructuredOutputParams(grammar="root ::= foo"), "^grammar: .*'foo' not found"),
+        (StructuredOutputParams(json_schema='{"type": "strin"}'), "^json_schema: .*strin"),
+    ],
+)
+def test_invalid_grammars_are_refused(
+    smollm2: tuple[Tokenizer, GrammarCompiler], params: StructuredOutputParams, message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         smollm2[1].compile(params)
 
@@ -288,7 +394,9 @@ def test_rollback_restores_the_mask(smollm2: tuple[Tokenizer, GrammarCompiler]) 
 
 def test_batched_fill_equals_one_by_one(smollm2: tuple[Tokenizer, GrammarCompiler]) -> None:
     _, compiler = smollm2
-    matchers = [compiler.matcher(StructuredOutputParams(json_schema=json.dumps(SCHEMAS[name]))) for name in list(SCHEMAS)[:4]]
+    matchers = [
+        compiler.matcher(StructuredOutputParams(json_schema=json.dumps(SCHEMAS[name]))) for name in list(SCHEMAS)[:4]
+    ]
     matchers.append(compiler.matcher(StructuredOutputParams(regex="[a-c]+")))
     batched, single = allocate_token_bitmask(8, compiler.vocab_size), allocate_token_bitmask(8, compiler.vocab_size)
     rows = [(m, 7 - i) for i, m in enumerate(matchers)]
@@ -336,9 +444,9 @@ def test_byte_tokenizer_with_a_larger_model_vocabulary() -> None:
         while not matcher.is_terminated():
             matcher.fill_next_token_bitmask(bitmask, 0)
             logits = torch.randn(1, vocab_size, generator=generator)
-            logits[0, ByteTokenizer.VOCAB_SIZE:] = 100.0  # the padding would win every argmax
+            logits[0, ByteTokenizer.VOCAB_SIZE :] = 100.0  # the padding would win every argmax
             apply_token_bitmask(logits, bitmask)
-            assert torch.isneginf(logits[0, ByteTokenizer.VOCAB_SIZE:]).all()
+            assert torch.isneginf(logits[0, ByteTokenizer.VOCAB_SIZE :]).all()
             token_ids.append(int(logits.argmax()))
             assert matcher.accept_token(token_ids[-1]), matcher.error
             assert len(token_ids) < 500
@@ -378,6 +486,8 @@ def test_apply_token_bitmask_masks_only_the_given_rows(dtype: torch.dtype) -> No
 
 def test_the_front_check_imports_no_torch() -> None:
     """The proxy validates requests without loading torch (it never does)."""
-    code = ("import sys, kvservice.structured.grammar as g, kvservice.core.structured_output as s;"
-            "g.check_supported(s.StructuredOutputParams(regex='a+')); assert 'torch' not in sys.modules")
+    code = (
+        "import sys, kvservice.structured.grammar as g, kvservice.core.structured_output as s;"
+        "g.check_supported(s.StructuredOutputParams(regex='a+')); assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -45,9 +45,7 @@ def _frame(num_blocks: int = 3, first_block: int = 2, layer: int = 1, **override
 def _validate(frame: bytes, **kwargs: Any) -> wire.DecodedFrame:
     decoded = wire.decode_frame(frame)
     assert decoded.header is not None
-    wire.validate_chunk(
-        decoded.header, decoded.payload, LAYOUT, REQUEST_ID, NUM_BLOCKS_IN_TRANSFER, **kwargs
-    )
+    wire.validate_chunk(decoded.header, decoded.payload, LAYOUT, REQUEST_ID, NUM_BLOCKS_IN_TRANSFER, **kwargs)
     return decoded
 
 
@@ -126,9 +124,7 @@ def test_payload_is_a_view_of_the_frame_not_a_copy() -> None:
 
 
 def test_done_round_trip() -> None:
-    frame = wire.encode_done(
-        request_id="r", first_token_id=-1, num_chunks=12, num_bytes=1 << 40, num_tokens=2048
-    )
+    frame = wire.encode_done(request_id="r", first_token_id=-1, num_chunks=12, num_bytes=1 << 40, num_tokens=2048)
     decoded = wire.decode_frame(frame)
     assert decoded.is_done and decoded.header is None and decoded.payload.nbytes == 0
     assert decoded.done == pb.KVTransferDone(
@@ -183,11 +179,7 @@ def test_protobuf_frames_parse_with_hand_parser() -> None:
     )
     # Payload before header and an unknown field: protobuf allows both; so must we.
     unknown = b"\x20\x07"  # field 4, varint 7
-    frame = (
-        pb.KVChunk(payload=payload).SerializeToString()
-        + unknown
-        + pb.KVChunk(header=header).SerializeToString()
-    )
+    frame = pb.KVChunk(payload=payload).SerializeToString() + unknown + pb.KVChunk(header=header).SerializeToString()
     assert pb.KVChunk.FromString(frame).header == header
     decoded = _validate(frame)
     assert decoded.header == header and bytes(decoded.payload) == payload
@@ -271,9 +263,7 @@ def test_short_payload_rejected_even_if_header_agrees(cut: int) -> None:
     decoded = wire.decode_frame(_frame())
     assert decoded.header is not None
     with pytest.raises(KVChunkError, match="payload: .* bytes, expected"):
-        wire.validate_chunk(
-            decoded.header, decoded.payload[:-cut], LAYOUT, REQUEST_ID, NUM_BLOCKS_IN_TRANSFER
-        )
+        wire.validate_chunk(decoded.header, decoded.payload[:-cut], LAYOUT, REQUEST_ID, NUM_BLOCKS_IN_TRANSFER)
 
 
 def test_payload_longer_than_header_says_rejected() -> None:
@@ -333,16 +323,17 @@ def test_fuzzed_frames_validate_or_raise_kv_chunk_error(data: st.DataObject) -> 
         )
     else:
         frame = wire.encode_done(
-            request_id=REQUEST_ID, first_token_id=data.draw(st.integers(-(2**31), 2**31 - 1)),
-            num_chunks=1, num_bytes=2, num_tokens=3,
+            request_id=REQUEST_ID,
+            first_token_id=data.draw(st.integers(-(2**31), 2**31 - 1)),
+            num_chunks=1,
+            num_bytes=2,
+            num_tokens=3,
         )
     frame = _mutate(frame, data)
     try:
         decoded = wire.decode_frame(frame)
         if decoded.header is not None:
-            wire.validate_chunk(
-                decoded.header, decoded.payload, LAYOUT, REQUEST_ID, NUM_BLOCKS_IN_TRANSFER
-            )
+            wire.validate_chunk(decoded.header, decoded.payload, LAYOUT, REQUEST_ID, NUM_BLOCKS_IN_TRANSFER)
             view = wire.payload_view(decoded.payload, LAYOUT, decoded.header.num_blocks)
             # Whatever validated is exactly what the header promised.
             assert view.shape == LAYOUT.blocks_shape(decoded.header.num_blocks)

@@ -39,9 +39,25 @@ DEADLINE_S = 30.0
 @contextlib.asynccontextmanager
 async def faulty_worker() -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", FAULTY_WORKER, "serve", "--role", "both", "--model", "tiny", "--port", "0",
-        "--num-blocks", "32", "--num-threads", "1", "--grace-period", "2",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, **WORKER_ENV},
+        sys.executable,
+        "-c",
+        FAULTY_WORKER,
+        "serve",
+        "--role",
+        "both",
+        "--model",
+        "tiny",
+        "--port",
+        "0",
+        "--num-blocks",
+        "32",
+        "--num-threads",
+        "1",
+        "--grace-period",
+        "2",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **WORKER_ENV},
     )
     assert process.stdout is not None
     try:

@@ -65,7 +65,9 @@ class GrpcBackend(Backend):
 
     name = GRPC
 
-    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None, bearer_token: str | None = None) -> None:
+    def __init__(
+        self, target: str, credentials: grpc.ChannelCredentials | None = None, bearer_token: str | None = None
+    ) -> None:
         self.address = target
         self.client = KVServiceClient(target, credentials, bearer_token)
 
@@ -79,7 +81,12 @@ class GrpcBackend(Backend):
         prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
         assert prompt is not None
         return await record_grpc_request(
-            self.client, prompt, request_id, max_tokens=request.expected_output_len, prompt_len=request.prompt_len, timeout=timeout
+            self.client,
+            prompt,
+            request_id,
+            max_tokens=request.expected_output_len,
+            prompt_len=request.prompt_len,
+            timeout=timeout,
         )
 
     async def server_counters(self) -> ServerCounters | None:
@@ -119,7 +126,9 @@ class OpenAIBackend(Backend):
         # keep_alive every request has its own connection: a server that closes kept-alive
         # connections after a few requests (llama.cpp's HTTP library) then fails none.
         connector = aiohttp.TCPConnector(
-            limit=max_connections or 0, ssl=ssl_context if ssl_context is not None else True, force_close=not keep_alive,
+            limit=max_connections or 0,
+            ssl=ssl_context if ssl_context is not None else True,
+            force_close=not keep_alive,
         )
         self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
         self.stats_client = KVServiceClient(stats_target, stats_credentials) if stats_target else None
@@ -139,7 +148,9 @@ class OpenAIBackend(Backend):
         last = "no answer"
         while time.monotonic() < deadline:
             try:
-                async with self.session.get(self.address + paths[0], headers=self._headers(), timeout=aiohttp.ClientTimeout(total=2.0)) as response:
+                async with self.session.get(
+                    self.address + paths[0], headers=self._headers(), timeout=aiohttp.ClientTimeout(total=2.0)
+                ) as response:
                     if response.status == 200:
                         break
                     if response.status == 404 and len(paths) > 1:
@@ -171,8 +182,13 @@ class OpenAIBackend(Backend):
         assert prompt is not None
         body = request_body(self.name, self.model, prompt, request.expected_output_len)
         return await record_openai_request(
-            self.session, self.address + ENDPOINTS[self.name], body, request_id,
-            prompt_len=request.prompt_len, api_key=self.api_key, timeout=timeout,
+            self.session,
+            self.address + ENDPOINTS[self.name],
+            body,
+            request_id,
+            prompt_len=request.prompt_len,
+            api_key=self.api_key,
+            timeout=timeout,
         )
 
     async def server_counters(self) -> ServerCounters | None:
@@ -186,13 +202,32 @@ class OpenAIBackend(Backend):
 
 def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     """Which server and how to reach it (`bench serve`), the TLS flags included."""
-    parser.add_argument("--backend", choices=BACKENDS, default=GRPC, help="grpc: kvservice's gRPC API (--target); openai: streamed /v1/completions, openai-chat: streamed /v1/chat/completions (--base-url) (default: grpc)")
-    parser.add_argument("--target", metavar="HOST:PORT", help="grpc: the proxy, or a colocated (--role both) worker")
-    parser.add_argument("--base-url", metavar="URL", help="openai, openai-chat: the server's root, e.g. http://127.0.0.1:8080 (kvservice's HTTP front, vLLM, SGLang)")
-    parser.add_argument("--model", default=None, help="the model name: sent in HTTP requests, and in the result file's name (default: HTTP: the first /v1/models lists; grpc: kvservice)")
-    parser.add_argument("--api-key", default=os.environ.get(OPENAI_API_KEY_ENV), metavar="KEY", help=f"HTTP backends: the bearer token (default: ${OPENAI_API_KEY_ENV})")
     parser.add_argument(
-        "--stats-target", metavar="HOST:PORT",
+        "--backend",
+        choices=BACKENDS,
+        default=GRPC,
+        help="grpc: kvservice's gRPC API (--target); openai: streamed /v1/completions, openai-chat: streamed /v1/chat/completions (--base-url) (default: grpc)",
+    )
+    parser.add_argument("--target", metavar="HOST:PORT", help="grpc: the proxy, or a colocated (--role both) worker")
+    parser.add_argument(
+        "--base-url",
+        metavar="URL",
+        help="openai, openai-chat: the server's root, e.g. http://127.0.0.1:8080 (kvservice's HTTP front, vLLM, SGLang)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="the model name: sent in HTTP requests, and in the result file's name (default: HTTP: the first /v1/models lists; grpc: kvservice)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(OPENAI_API_KEY_ENV),
+        metavar="KEY",
+        help=f"HTTP backends: the bearer token (default: ${OPENAI_API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--stats-target",
+        metavar="HOST:PORT",
         help="HTTP backends: a kvservice proxy's gRPC address to read the KV transfer figures from (default: none; HTTP has no Stats)",
     )
     add_tls_arguments(parser)
@@ -214,6 +249,12 @@ def backend_from_args(args: argparse.Namespace) -> Backend:
     if args.backend == GRPC:
         return GrpcBackend(args.target, tls.channel_credentials(), args.auth_token)
     return OpenAIBackend(
-        args.backend, args.base_url, args.model, api_key=args.api_key, ssl_context=_client_ssl_context(tls),
-        max_connections=args.max_concurrency, stats_target=args.stats_target, stats_credentials=tls.channel_credentials(),
+        args.backend,
+        args.base_url,
+        args.model,
+        api_key=args.api_key,
+        ssl_context=_client_ssl_context(tls),
+        max_connections=args.max_concurrency,
+        stats_target=args.stats_target,
+        stats_credentials=tls.channel_credentials(),
     )

@@ -76,7 +76,14 @@ def plan_cores(available: Sequence[int]) -> CorePlan:
 def format_compare_table(results: dict[str, dict[str, Any]]) -> str:
     """The side-by-side table of two result JSONs, keyed BASELINE and CANDIDATE."""
     base, cand = results[BASELINE], results[CANDIDATE]
-    rows = [("Successful / failed requests", f"{base['completed']} / {base['failed']}", f"{cand['completed']} / {cand['failed']}", "")]
+    rows = [
+        (
+            "Successful / failed requests",
+            f"{base['completed']} / {base['failed']}",
+            f"{cand['completed']} / {cand['failed']}",
+            "",
+        )
+    ]
     for label, key in COMPARE_ROWS:
         a, b = float(base.get(key) or 0.0), float(cand.get(key) or 0.0)
         rows.append((label, cell(a), cell(b), ratio(b, a)))
@@ -87,16 +94,29 @@ def format_compare_table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="'tiny', 'smollm2', a Hugging Face model directory or a GGUF file (default: tiny)")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny', 'smollm2', a Hugging Face model directory or a GGUF file (default: tiny)",
+    )
     add_workload_arguments(
-        parser, input_len=1024, output_len=64, num_prompts=32, request_rate=4.0, num_warmups=2, tokenizer_default="--model's",
+        parser,
+        input_len=1024,
+        output_len=64,
+        num_prompts=32,
+        request_rate=4.0,
+        num_warmups=2,
+        tokenizer_default="--model's",
     )
     parser.add_argument(
-        "--no-pin", action="store_true",
+        "--no-pin",
+        action="store_true",
         help="let every process use every core (an idle-system latency comparison) instead of "
         "colocated on both cores vs prefill on one and decode on the other",
     )
-    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker")
+    parser.add_argument(
+        "worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -117,9 +137,15 @@ def main(args: argparse.Namespace) -> int:
     print(format_compare_table(results))
     path = result_path(args, "compare", args.model)
     if path is not None:
-        settings = {"model": args.model, **workload_settings(args), "cores": {
-            BASELINE: plan.colocated and list(plan.colocated), "prefill": plan.prefill and list(plan.prefill),
-            "decode": plan.decode and list(plan.decode)}}
+        settings = {
+            "model": args.model,
+            **workload_settings(args),
+            "cores": {
+                BASELINE: plan.colocated and list(plan.colocated),
+                "prefill": plan.prefill and list(plan.prefill),
+                "decode": plan.decode and list(plan.decode),
+            },
+        }
         write_json(path, {"settings": settings, **results})
         print(f"result written to {path}")
     if args.plot:
@@ -141,7 +167,9 @@ async def _compare(
     worker_args = [a for a in args.worker_args if a != "--"]
     deployments = {
         BASELINE: LocalCluster(args.model, worker_args=worker_args, colocated=True, colocated_cores=plan.colocated),
-        CANDIDATE: LocalCluster(args.model, 1, 1, worker_args=worker_args, prefill_cores=plan.prefill, decode_cores=plan.decode),
+        CANDIDATE: LocalCluster(
+            args.model, 1, 1, worker_args=worker_args, prefill_cores=plan.prefill, decode_cores=plan.decode
+        ),
     }
     results: dict[str, dict[str, Any]] = {}
     records: dict[str, list[RequestRecord]] = {}
@@ -150,5 +178,9 @@ async def _compare(
         async with cluster:
             metrics, records[name], extra = await run_benchmark_with_args(cluster.address, requests, args)
         results[name] = result_json(metrics, records[name], {**extra, **workload_settings(args)})
-        print(f"{name}: {metrics.completed} completed, {metrics.failed} failed in {metrics.duration_s:.1f} s", file=sys.stderr, flush=True)
+        print(
+            f"{name}: {metrics.completed} completed, {metrics.failed} failed in {metrics.duration_s:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     return results, records

@@ -47,14 +47,21 @@ def multi_turn_conversations(
 ) -> list[Conversation]:
     """Synthetic chats: every user message is `input_len` random token ids in [0, vocab_size), every
     answer `output_len` tokens; fixed by `seed`."""
-    for name, value in (("num_conversations", num_conversations), ("num_turns", num_turns), ("input_len", input_len),
-                        ("output_len", output_len), ("vocab_size", vocab_size)):
+    for name, value in (
+        ("num_conversations", num_conversations),
+        ("num_turns", num_turns),
+        ("input_len", input_len),
+        ("output_len", output_len),
+        ("vocab_size", vocab_size),
+    ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     rng = np.random.default_rng(seed)
 
     def message() -> SampledRequest:
-        return SampledRequest(input_len, output_len, prompt_token_ids=rng.integers(0, vocab_size, size=input_len).tolist())
+        return SampledRequest(
+            input_len, output_len, prompt_token_ids=rng.integers(0, vocab_size, size=input_len).tolist()
+        )
 
     return [Conversation(tuple(message() for _ in range(num_turns))) for _ in range(num_conversations)]
 
@@ -71,7 +78,9 @@ async def run_conversation(conversation: Conversation, request_id: str, send: Se
         turn_id = request_id if turn == 0 else f"{request_id}-turn{turn}"
         if records and not records[-1].success:
             now = time.perf_counter()
-            records.append(RequestRecord(turn_id, 0, now, end=now, error=f"not sent: turn {turn - 1} failed", turn=turn))
+            records.append(
+                RequestRecord(turn_id, 0, now, end=now, error=f"not sent: turn {turn - 1} failed", turn=turn)
+            )
             continue
         if turn > 0:
             request = next_turn_request(request, records[-1].output_token_ids, message)

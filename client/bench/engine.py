@@ -51,7 +51,10 @@ SMOLLM2_SHAPE = dict(
     tie_word_embeddings=True,
     attention_bias=False,
 )
-RANDOM_SHAPES: dict[str, dict] = {"random-smollm2": {**SMOLLM2_SHAPE, "initializer_range": 0.2}, "random-small": BENCH_MODEL}
+RANDOM_SHAPES: dict[str, dict] = {
+    "random-smollm2": {**SMOLLM2_SHAPE, "initializer_range": 0.2},
+    "random-small": BENCH_MODEL,
+}
 
 
 def hf_config_arguments(cfg: ModelConfig) -> dict:
@@ -71,6 +74,7 @@ def hf_config_arguments(cfg: ModelConfig) -> dict:
         tie_word_embeddings=cfg.tie_word_embeddings,
         **({"attention_bias": cfg.attention_bias} if cfg.architecture == "llama" else {}),
     )
+
 
 @dataclass(slots=True)
 class Throughput:
@@ -205,9 +209,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what `kvservice serve --model` accepts (tiny, a model directory, ...), or a random model: "
         f"{', '.join(RANDOM_SHAPES)} (default: random-smollm2, SmolLM2-135M's shape)",
     )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV cache (default: float32)")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV cache (default: float32)"
+    )
     parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]', both sides (default: cpu)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="batch sizes to measure (default: 1 16)")
+    parser.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1, 16], help="batch sizes to measure (default: 1 16)"
+    )
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (default: 32)")
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default: 128)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side; the best is kept (default: 3)")
@@ -224,12 +232,16 @@ def main(args: argparse.Namespace) -> int:
         f"model {args.model}, {args.dtype} on {args.device}, {torch.get_num_threads()} threads on both sides;"
         f" prompts of {args.prompt_len} tokens, {args.max_tokens} new"
     )
-    print(f"{'batch':>5} | {'prefill tok/s kvservice':>24} {'transformers':>13} {'ratio':>6} | {'decode tok/s kvservice':>23} {'transformers':>13} {'ratio':>6}")
+    print(
+        f"{'batch':>5} | {'prefill tok/s kvservice':>24} {'transformers':>13} {'ratio':>6} | {'decode tok/s kvservice':>23} {'transformers':>13} {'ratio':>6}"
+    )
     for r in rows:
         print(
             f"{r.batch_size:>5} | {r.kvservice.prefill_tokens_per_s:>24.0f} {r.transformers.prefill_tokens_per_s:>13.0f} {r.prefill_ratio:>6.2f} |"
             f" {r.kvservice.decode_tokens_per_s:>23.0f} {r.transformers.decode_tokens_per_s:>13.0f} {r.decode_ratio:>6.2f}"
         )
     if args.json:
-        print(json.dumps([{**asdict(r), "prefill_ratio": r.prefill_ratio, "decode_ratio": r.decode_ratio} for r in rows]))
+        print(
+            json.dumps([{**asdict(r), "prefill_ratio": r.prefill_ratio, "decode_ratio": r.decode_ratio} for r in rows])
+        )
     return 0

@@ -58,7 +58,11 @@ def _server(conn: Connection, num_bytes: int, message_bytes: int, seed: int) -> 
         server = grpc.aio.server(options=_OPTIONS)
         service, method = _METHOD.rsplit("/", 1)
         server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(service.lstrip("/"), {method: grpc.unary_stream_rpc_method_handler(stream)}),)
+            (
+                grpc.method_handlers_generic_handler(
+                    service.lstrip("/"), {method: grpc.unary_stream_rpc_method_handler(stream)}
+                ),
+            )
         )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -125,11 +129,15 @@ def plain_grpc_transfer(
         client = ctx.Process(target=_client, args=(client_child, port, timeout_s), daemon=True)
         client.start()
         pin(client, cores[1] if cores else None)
-        received, received_crc, seconds, cpu_seconds = expect_reply(client_conn, timeout_s, "client's result", _BASELINE)
+        received, received_crc, seconds, cpu_seconds = expect_reply(
+            client_conn, timeout_s, "client's result", _BASELINE
+        )
         server_conn.send("stop")
     finally:
         close_children([server_conn, server_child, client_conn, client_child], [server, client])
     if received != num_bytes or received_crc != sent_crc:
-        raise RuntimeError(f"plain gRPC baseline: received {received} bytes, crc32 {received_crc:#010x}; sent {num_bytes}, {sent_crc:#010x}")
+        raise RuntimeError(
+            f"plain gRPC baseline: received {received} bytes, crc32 {received_crc:#010x}; sent {num_bytes}, {sent_crc:#010x}"
+        )
     timed_bytes = num_bytes - message_bytes
     return PlainGrpcResult(timed_bytes, seconds, timed_bytes / seconds / 1e9, cpu_seconds)

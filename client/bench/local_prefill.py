@@ -65,18 +65,42 @@ def local_delay_ms(local: ModeResult, remote: ModeResult, length: int, num_strea
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="'tiny', 'smollm2', a Hugging Face model directory or a GGUF file (default: tiny)")
     parser.add_argument(
-        "--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), metavar="N,...",
+        "--model",
+        default="tiny",
+        help="'tiny', 'smollm2', a Hugging Face model directory or a GGUF file (default: tiny)",
+    )
+    parser.add_argument(
+        "--lengths",
+        default=",".join(map(str, DEFAULT_LENGTHS)),
+        metavar="N,...",
         help=f"uncached prompt lengths to probe, in tokens (default: {','.join(map(str, DEFAULT_LENGTHS))})",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="probes per length and mode; the median counts (default: 3)")
-    parser.add_argument("--background-streams", type=int, default=4, help="requests decoding on the decode worker meanwhile (default: 4)")
-    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help=f"probe token ids are drawn from [0, N) (default: {DEFAULT_VOCAB_SIZE})")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="probes per length and mode; the median counts (default: 3)"
+    )
+    parser.add_argument(
+        "--background-streams",
+        type=int,
+        default=4,
+        help="requests decoding on the decode worker meanwhile (default: 4)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=DEFAULT_VOCAB_SIZE,
+        help=f"probe token ids are drawn from [0, N) (default: {DEFAULT_VOCAB_SIZE})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the probes' tokens (default: 0)")
-    parser.add_argument("--request-timeout", type=float, default=300.0, help="deadline of one probe in seconds (default: 300)")
-    parser.add_argument("--json", action="store_true", help="end with one line of JSON: every probe's TTFT and the crossover")
-    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for both workers")
+    parser.add_argument(
+        "--request-timeout", type=float, default=300.0, help="deadline of one probe in seconds (default: 300)"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="end with one line of JSON: every probe's TTFT and the crossover"
+    )
+    parser.add_argument(
+        "worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for both workers"
+    )
 
 
 def crossover(local: ModeResult, remote: ModeResult, lengths: Sequence[int], num_streams: int) -> int:
@@ -91,7 +115,11 @@ def crossover(local: ModeResult, remote: ModeResult, lengths: Sequence[int], num
 
 
 async def _background(
-    client: KVServiceClient, prompt: list[int], gaps: list[tuple[float, float]], decoding: asyncio.Event, stop: asyncio.Event
+    client: KVServiceClient,
+    prompt: list[int],
+    gaps: list[tuple[float, float]],
+    decoding: asyncio.Event,
+    stop: asyncio.Event,
 ) -> None:
     """Decode without end (restarting when a request reaches its length), noting each gap
     between tokens as (arrival time, gap); `decoding` is set at the first gap."""
@@ -120,19 +148,26 @@ async def _until_decoding(decoding: Sequence[asyncio.Event], background: Sequenc
 
 async def measure_mode(args: argparse.Namespace, mode: str, lengths: Sequence[int]) -> ModeResult:
     cluster = LocalCluster(
-        args.model, worker_args=tuple(w for w in args.worker_args if w != "--"),
-        prefill_cores=[0], decode_cores=[1], proxy_args=("--max-local-prefill-tokens", str(MODES[mode])),
+        args.model,
+        worker_args=tuple(w for w in args.worker_args if w != "--"),
+        prefill_cores=[0],
+        decode_cores=[1],
+        proxy_args=("--max-local-prefill-tokens", str(MODES[mode])),
     )
     rng = random.Random(args.seed)
     result = ModeResult()
     async with cluster, KVServiceClient(cluster.address) as client:
         # One warm-up probe per mode: the first forward pays one-time costs.
-        await record_grpc_request(client, [rng.randrange(args.vocab_size) for _ in range(16)], f"{mode}-warmup", max_tokens=2)
+        await record_grpc_request(
+            client, [rng.randrange(args.vocab_size) for _ in range(16)], f"{mode}-warmup", max_tokens=2
+        )
         stop = asyncio.Event()
         gaps: list[tuple[float, float]] = []
         decoding = [asyncio.Event() for _ in range(args.background_streams)]
         background = [
-            asyncio.create_task(_background(client, [rng.randrange(args.vocab_size) for _ in range(32)], gaps, started, stop))
+            asyncio.create_task(
+                _background(client, [rng.randrange(args.vocab_size) for _ in range(32)], gaps, started, stop)
+            )
             for started in decoding
         ]
         try:
@@ -141,7 +176,9 @@ async def measure_mode(args: argparse.Namespace, mode: str, lengths: Sequence[in
                 result.ttft_s[length], result.max_background_gap_s[length] = [], []
                 for i in range(args.repeats):
                     prompt = [rng.randrange(args.vocab_size) for _ in range(length)]
-                    record = await record_grpc_request(client, prompt, f"{mode}-{length}-{i}", max_tokens=2, timeout=args.request_timeout)
+                    record = await record_grpc_request(
+                        client, prompt, f"{mode}-{length}-{i}", max_tokens=2, timeout=args.request_timeout
+                    )
                     if not record.success or record.ttft is None:
                         raise RuntimeError(f"{mode}: a probe of {length} tokens failed: {record.error}")
                     result.ttft_s[length].append(record.ttft)
@@ -161,16 +198,28 @@ async def measure_mode(args: argparse.Namespace, mode: str, lengths: Sequence[in
 
 def report(local: ModeResult, remote: ModeResult, lengths: Sequence[int], num_streams: int) -> str:
     header = (
-        "Uncached tokens", "local TTFT (ms)", "remote TTFT (ms)", "local max gap (ms)", "remote max gap (ms)",
-        "local delay (ms)", "local delay/remote TTFT",
+        "Uncached tokens",
+        "local TTFT (ms)",
+        "remote TTFT (ms)",
+        "local max gap (ms)",
+        "remote max gap (ms)",
+        "local delay (ms)",
+        "local delay/remote TTFT",
     )
     rows = []
     for length in lengths:
         delay = local_delay_ms(local, remote, length, num_streams)
-        rows.append((
-            str(length), cell(local.median_ms(length)), cell(remote.median_ms(length)),
-            cell(local.gap_ms(length)), cell(remote.gap_ms(length)), cell(delay), ratio(delay, remote.median_ms(length)),
-        ))
+        rows.append(
+            (
+                str(length),
+                cell(local.median_ms(length)),
+                cell(remote.median_ms(length)),
+                cell(local.gap_ms(length)),
+                cell(remote.gap_ms(length)),
+                cell(delay),
+                ratio(delay, remote.median_ms(length)),
+            )
+        )
     return render(header, rows)
 
 
@@ -181,15 +230,29 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvservice bench local-prefill: --lengths: not a list of integers: {args.lengths!r}", file=sys.stderr)
         return 2
     if not lengths or lengths[0] <= 0 or args.repeats <= 0 or args.background_streams < 0:
-        print("kvservice bench local-prefill: --lengths, --repeats must be positive, --background-streams >= 0", file=sys.stderr)
+        print(
+            "kvservice bench local-prefill: --lengths, --repeats must be positive, --background-streams >= 0",
+            file=sys.stderr,
+        )
         return 2
     local = asyncio.run(measure_mode(args, "local", lengths))
     remote = asyncio.run(measure_mode(args, "remote", lengths))
     best = crossover(local, remote, lengths, args.background_streams)
     print(report(local, remote, lengths, args.background_streams))
-    print(f"local delay = local TTFT + {args.background_streams} streams x their extra stall (local max gap - remote max gap)")
+    print(
+        f"local delay = local TTFT + {args.background_streams} streams x their extra stall (local max gap - remote max gap)"
+    )
     print(f"crossover: local prefill costs no more up to {best} uncached tokens (--max-local-prefill-tokens {best})")
     if args.json:
-        print(json.dumps({"model": args.model, "lengths": lengths, "crossover": best,
-                          "local": asdict(local), "remote": asdict(remote)}))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "lengths": lengths,
+                    "crossover": best,
+                    "local": asdict(local),
+                    "remote": asdict(remote),
+                }
+            )
+        )
     return 0

@@ -124,13 +124,9 @@ def validate_goodput_slos(slos: dict[str, float]) -> None:
     """Reject unknown SLO names and negative or non-finite limits (ms)."""
     for name, limit_ms in slos.items():
         if name not in GOODPUT_METRICS:
-            raise ValueError(
-                f"goodput_slos: unknown metric {name!r}; expected one of {GOODPUT_METRICS}"
-            )
+            raise ValueError(f"goodput_slos: unknown metric {name!r}; expected one of {GOODPUT_METRICS}")
         if not math.isfinite(limit_ms) or limit_ms < 0:
-            raise ValueError(
-                f"goodput_slos[{name!r}] must be a finite value >= 0 ms, got {limit_ms}"
-            )
+            raise ValueError(f"goodput_slos[{name!r}] must be a finite value >= 0 ms, got {limit_ms}")
 
 
 def _meets_slos(record: RequestRecord, slos: dict[str, float]) -> bool:
@@ -173,7 +169,11 @@ def compute_metrics(
     is_multi_turn = any(r.turn > 0 for r in records)
 
     def turn_ttfts(is_first: bool) -> LatencyStats | None:
-        return LatencyStats.from_seconds([t for r in ok if (r.turn == 0) == is_first and (t := r.ttft) is not None]) if is_multi_turn else None
+        return (
+            LatencyStats.from_seconds([t for r in ok if (r.turn == 0) == is_first and (t := r.ttft) is not None])
+            if is_multi_turn
+            else None
+        )
 
     goodput = None
     if goodput_slos:
@@ -284,9 +284,11 @@ def format_report(metrics: BenchmarkMetrics, extra_lines: Sequence[tuple[str, st
         lines.append(_row(f"P90 {short} (ms):", stats.p90_ms))
         lines.append(_row(f"P99 {short} (ms):", stats.p99_ms))
         if name == "ttft" and metrics.ttft_first_turn is not None and metrics.ttft_later_turns is not None:
-            for turns, turn_stats in (("first turns", metrics.ttft_first_turn), ("later turns", metrics.ttft_later_turns)):
+            for turns, turn_stats in (
+                ("first turns", metrics.ttft_first_turn),
+                ("later turns", metrics.ttft_later_turns),
+            ):
                 lines.append(_row(f"Mean TTFT, {turns} (ms):", turn_stats.mean_ms))
                 lines.append(_row(f"P99 TTFT, {turns} (ms):", turn_stats.p99_ms))
     lines.append("=" * _BANNER_WIDTH)
     return "\n".join(lines)
-

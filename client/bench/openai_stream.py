@@ -101,7 +101,9 @@ async def openai_chunks(events: AsyncIterator[str]) -> AsyncIterator[StreamedChu
         usage = event.get("usage")
         if usage:
             num_completion = int(usage.get("completion_tokens") or 0)
-            yield StreamedChunk(max(0, num_completion - num_counted), num_prompt_tokens=int(usage.get("prompt_tokens") or 0))
+            yield StreamedChunk(
+                max(0, num_completion - num_counted), num_prompt_tokens=int(usage.get("prompt_tokens") or 0)
+            )
             num_counted = max(num_counted, num_completion)
 
 

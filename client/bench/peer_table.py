@@ -81,8 +81,12 @@ class ServerResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "command": self.command, "startup_s": self.startup_s, "is_sane": self.is_sane, "sanity": self.sanity,
-            "error": self.error, "runs": {str(c): run for c, run in self.runs.items()},
+            "command": self.command,
+            "startup_s": self.startup_s,
+            "is_sane": self.is_sane,
+            "sanity": self.sanity,
+            "error": self.error,
+            "runs": {str(c): run for c, run in self.runs.items()},
         }
 
 
@@ -141,9 +145,17 @@ def _verdict_cell(target: Target, results: dict[str, ServerResult]) -> str:
 def target_verdicts(results: dict[str, ServerResult]) -> list[dict[str, Any]]:
     """Every target per kvservice deployment that ran, for the result file."""
     return [
-        {"metric": t.metric.label, "target": t.text, "deployment": d, "value": results[d].value(t.metric),
-         "bound": t.bound(results), "passed": t.verdict(d, results)}
-        for t in TARGETS for d in t.deployments if d in results
+        {
+            "metric": t.metric.label,
+            "target": t.text,
+            "deployment": d,
+            "value": results[d].value(t.metric),
+            "bound": t.bound(results),
+            "passed": t.verdict(d, results),
+        }
+        for t in TARGETS
+        for d in t.deployments
+        if d in results
     ]
 
 
@@ -156,15 +168,26 @@ def format_peers_table(results: dict[str, ServerResult]) -> str:
     peers = [n for n in names if n in PEERS]
     pairs = [(k, p) for k in ours for p in peers]
     targets = {t.metric: t for t in TARGETS}
-    header = ("Metric", *(SHORT_NAMES[n] for n in names), *(f"{SHORT_NAMES[k]}/{SHORT_NAMES[p]}" for k, p in pairs), "target", "pass/fail")
+    header = (
+        "Metric",
+        *(SHORT_NAMES[n] for n in names),
+        *(f"{SHORT_NAMES[k]}/{SHORT_NAMES[p]}" for k, p in pairs),
+        "target",
+        "pass/fail",
+    )
     blank = [""] * (len(pairs) + 2)
     rows: list[Sequence[str]] = [("Status", *(results[n].status for n in names), *blank)]
     for metric in METRICS:
         values = {n: results[n].value(metric) for n in names}
         ratios = [_ratio_cell(values[k], values[p]) for k, p in pairs]
         target = targets.get(metric)
-        rows.append((
-            metric.label, *("-" if values[n] is None else cell(values[n]) for n in names), *ratios,
-            target.text if target else "", _verdict_cell(target, results) if target else "",
-        ))
+        rows.append(
+            (
+                metric.label,
+                *("-" if values[n] is None else cell(values[n]) for n in names),
+                *ratios,
+                target.text if target else "",
+                _verdict_cell(target, results) if target else "",
+            )
+        )
     return render(header, rows)

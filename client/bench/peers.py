@@ -36,7 +36,15 @@ from kvservice.client.bench.backend import Backend, OpenAIBackend
 from kvservice.client.bench.openai_stream import CHAT, COMPLETIONS
 from kvservice.client.bench.peer_install import DEFAULT_PEERS_DIR, InstallError, PeerPaths, install
 from kvservice.client.bench.peer_servers import PeerServer, ServerSpec, ServerStartError, free_port, server_spec
-from kvservice.client.bench.peer_table import LOADED, PEERS, SERVERS, SINGLE, ServerResult, format_peers_table, target_verdicts
+from kvservice.client.bench.peer_table import (
+    LOADED,
+    PEERS,
+    SERVERS,
+    SINGLE,
+    ServerResult,
+    format_peers_table,
+    target_verdicts,
+)
 from kvservice.client.bench.runner import result_json, run_benchmark
 from kvservice.client.bench.workload import SampledRequest, random_requests
 from kvservice.client.bench.workload_args import DEFAULT_VOCAB_SIZE
@@ -75,23 +83,70 @@ def _positive(value: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--servers", type=parse_servers, default=list(SERVERS), metavar="NAME,...",
+        "--servers",
+        type=parse_servers,
+        default=list(SERVERS),
+        metavar="NAME,...",
         help=f"servers to run, in order (default: {','.join(SERVERS)})",
     )
-    parser.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS_DIR, help=f"where llama.cpp and vLLM are installed, and the logs (default: {DEFAULT_PEERS_DIR})")
+    parser.add_argument(
+        "--peers-dir",
+        type=Path,
+        default=DEFAULT_PEERS_DIR,
+        help=f"where llama.cpp and vLLM are installed, and the logs (default: {DEFAULT_PEERS_DIR})",
+    )
     install_mode = parser.add_mutually_exclusive_group()
-    install_mode.add_argument("--install-only", action="store_true", help="install the missing peers of --servers, then exit")
+    install_mode.add_argument(
+        "--install-only", action="store_true", help="install the missing peers of --servers, then exit"
+    )
     install_mode.add_argument("--no-install", action="store_true", help="fail instead of installing a missing peer")
-    parser.add_argument("--num-prompts-c1", type=_positive, default=16, help=f"requests at concurrency {SINGLE} (default: 16)")
-    parser.add_argument("--num-prompts-c16", type=_positive, default=64, help=f"requests at concurrency {LOADED} (default: 64)")
-    parser.add_argument("--input-len", "--random-input-len", dest="input_len", type=_positive, default=256, help="prompt tokens (default: 256)")
-    parser.add_argument("--output-len", "--random-output-len", dest="output_len", type=_positive, default=128, help="tokens generated per request (default: 128)")
-    parser.add_argument("--vocab-size", type=_positive, default=DEFAULT_VOCAB_SIZE, help=f"prompt token ids are drawn from [0, N) (default: {DEFAULT_VOCAB_SIZE}, as bench serve)")
-    parser.add_argument("--num-warmups", type=int, default=2, help="requests sent and discarded before each concurrency level (default: 2)")
+    parser.add_argument(
+        "--num-prompts-c1", type=_positive, default=16, help=f"requests at concurrency {SINGLE} (default: 16)"
+    )
+    parser.add_argument(
+        "--num-prompts-c16", type=_positive, default=64, help=f"requests at concurrency {LOADED} (default: 64)"
+    )
+    parser.add_argument(
+        "--input-len",
+        "--random-input-len",
+        dest="input_len",
+        type=_positive,
+        default=256,
+        help="prompt tokens (default: 256)",
+    )
+    parser.add_argument(
+        "--output-len",
+        "--random-output-len",
+        dest="output_len",
+        type=_positive,
+        default=128,
+        help="tokens generated per request (default: 128)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=_positive,
+        default=DEFAULT_VOCAB_SIZE,
+        help=f"prompt token ids are drawn from [0, N) (default: {DEFAULT_VOCAB_SIZE}, as bench serve)",
+    )
+    parser.add_argument(
+        "--num-warmups",
+        type=int,
+        default=2,
+        help="requests sent and discarded before each concurrency level (default: 2)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts (default: 0)")
-    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to start (default: 600)")
-    parser.add_argument("--request-timeout", type=float, default=600.0, help="deadline of one request in seconds (default: 600)")
-    parser.add_argument("--json", type=Path, metavar="OUT", help="write every figure, the sanity answers, the commands and the verdicts here")
+    parser.add_argument(
+        "--ready-timeout", type=float, default=600.0, help="seconds a server may take to start (default: 600)"
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, default=600.0, help="deadline of one request in seconds (default: 600)"
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        metavar="OUT",
+        help="write every figure, the sanity answers, the commands and the verdicts here",
+    )
 
 
 def model_len(input_len: int, output_len: int) -> int:
@@ -115,7 +170,9 @@ def sanity_probe(args: argparse.Namespace) -> SampledRequest:
     return probe
 
 
-async def check_sanity(backends: dict[str, Backend], probe: SampledRequest, timeout: float) -> tuple[bool, dict[str, Any]]:
+async def check_sanity(
+    backends: dict[str, Backend], probe: SampledRequest, timeout: float
+) -> tuple[bool, dict[str, Any]]:
     """Whether the server's greedy text names Paris for each of SANITY_PROMPTS (`backends` by
     endpoint: completions, chat) and a completion streams exactly `probe`'s output length (EOS
     ignored); returns the verdict and what was seen."""
@@ -130,7 +187,9 @@ async def check_sanity(backends: dict[str, Backend], probe: SampledRequest, time
     length = await backends[COMPLETIONS].send(probe, "sanity-length", timeout)
     seen.update(expected_output_len=probe.expected_output_len, output_len=length.output_len, length_error=length.error)
     if "reason" not in seen and (not length.success or length.output_len != probe.expected_output_len):
-        seen["reason"] = f"asked for {probe.expected_output_len} tokens (EOS ignored), got {length.output_len} {length.error}".rstrip()
+        seen["reason"] = (
+            f"asked for {probe.expected_output_len} tokens (EOS ignored), got {length.output_len} {length.error}".rstrip()
+        )
     return "reason" not in seen, seen
 
 
@@ -171,12 +230,20 @@ async def _check_and_time(spec: ServerSpec, args: argparse.Namespace, result: Se
             return
         for concurrency, workload in workloads(args).items():
             metrics, records, extra = await run_benchmark(
-                completions, workload, max_concurrency=concurrency, seed=args.seed,
-                num_warmups=args.num_warmups, request_timeout=args.request_timeout,
+                completions,
+                workload,
+                max_concurrency=concurrency,
+                seed=args.seed,
+                num_warmups=args.num_warmups,
+                request_timeout=args.request_timeout,
             )
             result.runs[concurrency] = result_json(metrics, records, extra)
-            print(f"{spec.name}: c={concurrency}: {metrics.completed} completed, {metrics.failed} failed in "
-                  f"{metrics.duration_s:.1f} s, {metrics.output_throughput:.1f} tok/s", file=sys.stderr, flush=True)
+            print(
+                f"{spec.name}: c={concurrency}: {metrics.completed} completed, {metrics.failed} failed in "
+                f"{metrics.duration_s:.1f} s, {metrics.output_throughput:.1f} tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
             if metrics.failed and not result.error:
                 first = next(r.error for r in records if not r.success)
                 result.error = f"run failed: {metrics.failed} requests at c={concurrency}; first: {first}"
@@ -186,7 +253,9 @@ def format_commands(specs: list[ServerSpec]) -> str:
     """The commands the servers ran, with the environment each added."""
     lines = ["Commands:"]
     for spec in specs:
-        env = "".join(f"{name}={value} " for name, value in spec.env.items() if not name.startswith(("GLIBC_", "PYTHON")))
+        env = "".join(
+            f"{name}={value} " for name, value in spec.env.items() if not name.startswith(("GLIBC_", "PYTHON"))
+        )
         lines.append(f"  {spec.name}: {env}{' '.join(spec.argv)}")
     return "\n".join(lines)
 
@@ -198,7 +267,13 @@ async def _measure_all(
     results: dict[str, ServerResult] = {}
     for name in args.servers:
         spec = server_spec(
-            name, free_port(), paths, gguf, max_model_len=model_len(args.input_len, args.output_len), num_threads=len(cores), cores=cores
+            name,
+            free_port(),
+            paths,
+            gguf,
+            max_model_len=model_len(args.input_len, args.output_len),
+            num_threads=len(cores),
+            cores=cores,
         )
         specs.append(spec)
         results[name] = await measure(spec, args, paths.logs / f"{name}.log")
@@ -210,7 +285,10 @@ def main(args: argparse.Namespace) -> int:
     gguf = smollm2_path()
     missing = [peer for peer in args.servers if peer in PEERS and not paths.is_installed(peer)]
     if missing and args.no_install:
-        print(f"kvservice bench peers: error: not installed in {paths.root}: {', '.join(missing)} (drop --no-install)", file=sys.stderr)
+        print(
+            f"kvservice bench peers: error: not installed in {paths.root}: {', '.join(missing)} (drop --no-install)",
+            file=sys.stderr,
+        )
         return 2
     try:
         for peer in missing:
@@ -228,9 +306,16 @@ def main(args: argparse.Namespace) -> int:
     print(format_peers_table(results))
     print(format_commands(specs))
     if args.json is not None:
-        settings = {key: value for key, value in vars(args).items() if key not in ("run", "json", "command", "benchmark")}
+        settings = {
+            key: value for key, value in vars(args).items() if key not in ("run", "json", "command", "benchmark")
+        }
         document = {
-            "settings": {**json.loads(json.dumps(settings, default=str)), "model": str(gguf), "cores": cores, "max_model_len": length},
+            "settings": {
+                **json.loads(json.dumps(settings, default=str)),
+                "model": str(gguf),
+                "cores": cores,
+                "max_model_len": length,
+            },
             "servers": {name: result.to_json() for name, result in results.items()},
             "targets": target_verdicts(results),
         }
@@ -238,4 +323,3 @@ def main(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
         print(f"result written to {args.json}")
     return 0 if all(not r.error for r in results.values()) else 1
-

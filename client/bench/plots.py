@@ -76,19 +76,13 @@ def timeline_figure(records: Sequence[RequestRecord]) -> Figure:
         alpha=0.5,
     )
     for index, marker, color, size in ((0, "|", "black", 64), (1, "x", "tab:green", 25)):
-        hits = [
-            (row, r.token_times[index] - t0)
-            for row, r in enumerate(records)
-            if len(r.token_times) > index
-        ]
+        hits = [(row, r.token_times[index] - t0) for row, r in enumerate(records) if len(r.token_times) > index]
         if hits:
             ys, xs = zip(*hits)
             ax.scatter(xs, ys, marker=marker, color=color, s=size, zorder=3)
     ax.set_xlabel("seconds since the first request was sent")
     ax.set_ylabel("request (send order)")
-    ax.set_title(
-        "Request timeline: bar = send..end, | = first token, x = second token, red = failed"
-    )
+    ax.set_title("Request timeline: bar = send..end, | = first token, x = second token, red = failed")
     ax.invert_yaxis()
     ax.grid(True, axis="x", alpha=0.3)
     return fig
@@ -140,14 +134,9 @@ def compare_figure(results: dict[str, dict[str, Any]]) -> Figure:
     fig = Figure(figsize=(14, 4), layout="constrained")
     axes = fig.subplots(1, len(_COMPARE_LATENCIES) + 1)
     for ax, (key, title) in zip(axes, _COMPARE_LATENCIES):
-        groups = {
-            stat: [float(results[n].get(f"{stat}_{key}_ms") or 0.0) for n in names]
-            for stat in ("mean", "p99")
-        }
+        groups = {stat: [float(results[n].get(f"{stat}_{key}_ms") or 0.0) for n in names] for stat in ("mean", "p99")}
         _grouped_bars(ax, names, groups, title)
-    throughput = {
-        "output tok/s": [float(results[n].get("output_throughput") or 0.0) for n in names]
-    }
+    throughput = {"output tok/s": [float(results[n].get("output_throughput") or 0.0) for n in names]}
     _grouped_bars(axes[-1], names, throughput, "Output throughput (tok/s)")
     fig.suptitle(" vs ".join(names))
     return fig

@@ -26,7 +26,13 @@ from typing import Any
 import grpc
 
 from kvservice.client.bench.runner import Workload, result_json
-from kvservice.client.bench.serve import result_path, run_benchmark_with_args, sample_workload, workload_settings, write_json
+from kvservice.client.bench.serve import (
+    result_path,
+    run_benchmark_with_args,
+    sample_workload,
+    workload_settings,
+    write_json,
+)
 from kvservice.client.bench.table import cell, ratio, render
 from kvservice.client.bench.workload_args import MULTI_TURN, PREFIX_REPETITION, add_workload_arguments
 from kvservice.client.cluster import LaunchError, LocalCluster
@@ -110,7 +116,9 @@ def format_prefix_table(results: dict[str, dict[str, Any]]) -> str:
     base = names[0]
     header = ("Metric", *names, *(f"{name}/{base}" for name in names[1:]))
     no_ratios = [""] * (len(names) - 1)
-    rows = [("Successful / failed requests", *(f"{r['completed']} / {r['failed']}" for r in results.values()), *no_ratios)]
+    rows = [
+        ("Successful / failed requests", *(f"{r['completed']} / {r['failed']}" for r in results.values()), *no_ratios)
+    ]
     for label, key, divisor in RATIO_ROWS:
         if any(key in r for r in results.values()):
             numbers = [float(results[name].get(key) or 0.0) / divisor for name in names]
@@ -122,22 +130,39 @@ def format_prefix_table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="'tiny', 'smollm2', a Hugging Face model directory or a GGUF file (default: tiny)")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny', 'smollm2', a Hugging Face model directory or a GGUF file (default: tiny)",
+    )
     add_workload_arguments(
-        parser, input_len=1024, output_len=64, num_prompts=20, request_rate=4.0, num_warmups=2, tokenizer_default="--model's",
+        parser,
+        input_len=1024,
+        output_len=64,
+        num_prompts=20,
+        request_rate=4.0,
+        num_warmups=2,
+        tokenizer_default="--model's",
     )
     parser.set_defaults(dataset=PREFIX_REPETITION)
     parser.add_argument(
-        "--configs", default=None, metavar="NAME,...",
+        "--configs",
+        default=None,
+        metavar="NAME,...",
         help="configurations in order, the first the baseline: off, on, round-robin, kv-aware, kv-aware-local "
         "(default: off,round-robin,kv-aware; multi_turn adds kv-aware-local)",
     )
     parser.add_argument(
-        "--max-local-prefill-tokens", type=int, default=None, metavar="N",
+        "--max-local-prefill-tokens",
+        type=int,
+        default=None,
+        metavar="N",
         help="kv-aware-local: the proxy's --max-local-prefill-tokens (default: --multi-turn-input-len + --multi-turn-output-len, "
         "what a later turn adds to its history)",
     )
-    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker")
+    parser.add_argument(
+        "worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -161,8 +186,15 @@ def main(args: argparse.Namespace) -> int:
         print(format_prefix_table(results))
         path = result_path(args, "prefix", args.model)
         if path is not None:
-            settings = {"model": args.model, **workload_settings(args), "num_prefill": NUM_PREFILL, "num_decode": NUM_DECODE,
-                        "configurations": {c.name: {"worker_args": list(c.worker_args), "proxy_args": list(c.proxy_args)} for c in deployments}}
+            settings = {
+                "model": args.model,
+                **workload_settings(args),
+                "num_prefill": NUM_PREFILL,
+                "num_decode": NUM_DECODE,
+                "configurations": {
+                    c.name: {"worker_args": list(c.worker_args), "proxy_args": list(c.proxy_args)} for c in deployments
+                },
+            }
             write_json(path, {"settings": settings, **results})
             print(f"result written to {path}")
     if error is not None:
@@ -171,13 +203,20 @@ def main(args: argparse.Namespace) -> int:
     return 0 if all(r["failed"] == 0 for r in results.values()) else 1
 
 
-async def _measure(args: argparse.Namespace, workload: Workload, deployments: Sequence[Configuration], results: dict[str, dict[str, Any]]) -> None:
+async def _measure(
+    args: argparse.Namespace,
+    workload: Workload,
+    deployments: Sequence[Configuration],
+    results: dict[str, dict[str, Any]],
+) -> None:
     """Run the workload on each configuration's cluster in turn, filling `results` as they finish."""
     extra_worker_args = [a for a in args.worker_args if a != "--"]
     for configuration in deployments:
         print(f"{configuration.name}: starting", file=sys.stderr, flush=True)
         cluster = LocalCluster(
-            args.model, NUM_PREFILL, NUM_DECODE,
+            args.model,
+            NUM_PREFILL,
+            NUM_DECODE,
             worker_args=[*extra_worker_args, *configuration.worker_args],
             # The proxy hashes text and chat prompts with the model's tokenizer (kv-aware routing).
             proxy_args=[*configuration.proxy_args, "--model", args.model],
@@ -188,4 +227,8 @@ async def _measure(args: argparse.Namespace, workload: Workload, deployments: Se
         except LaunchError as e:
             raise RuntimeError(launch_error_message(configuration, e)) from None
         results[configuration.name] = result_json(metrics, records, {**extra, **workload_settings(args)})
-        print(f"{configuration.name}: {metrics.completed} completed, {metrics.failed} failed in {metrics.duration_s:.1f} s", file=sys.stderr, flush=True)
+        print(
+            f"{configuration.name}: {metrics.completed} completed, {metrics.failed} failed in {metrics.duration_s:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )

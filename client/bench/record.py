@@ -62,7 +62,9 @@ async def grpc_chunks(
 ) -> AsyncIterator[StreamedChunk]:
     """`client.generate` as backend-neutral chunks."""
     async for chunk in client.generate(prompt, timeout=timeout, request_id=request_id, **params):
-        yield StreamedChunk(len(chunk.token_ids), chunk.text, chunk.finish_reason, chunk.num_prompt_tokens, tuple(chunk.token_ids))
+        yield StreamedChunk(
+            len(chunk.token_ids), chunk.text, chunk.finish_reason, chunk.num_prompt_tokens, tuple(chunk.token_ids)
+        )
 
 
 async def record_grpc_request(

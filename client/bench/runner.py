@@ -57,10 +57,14 @@ def _progress(total: int, disable: bool) -> _Progress:
     return tqdm(total=total, unit="req", file=sys.stderr, disable=disable)
 
 
-async def _warm_up(backend: Backend, requests: Sequence[SampledRequest], num_warmups: int, seed: int, timeout: float | None) -> None:
+async def _warm_up(
+    backend: Backend, requests: Sequence[SampledRequest], num_warmups: int, seed: int, timeout: float | None
+) -> None:
     tag = secrets.token_hex(4)
     warm_ups = warm_up_requests(requests, num_warmups, seed)
-    records = await asyncio.gather(*(backend.send(request, f"warmup-{tag}-{i}", timeout) for i, request in enumerate(warm_ups)))
+    records = await asyncio.gather(
+        *(backend.send(request, f"warmup-{tag}-{i}", timeout) for i, request in enumerate(warm_ups))
+    )
     failed = [r for r in records if not r.success]
     if failed:
         raise RuntimeError(f"{len(failed)} of {num_warmups} warm-up requests failed; first: {failed[0].error}")
@@ -169,5 +173,3 @@ def result_json(metrics: BenchmarkMetrics, records: Sequence[RequestRecord], ext
     # Wall-clock time of t0, so a run can be lined up with events outside it (a scale command).
     start_unix = t0 + time.time() - time.perf_counter()
     return {**metrics_to_result_json(metrics, records, extra), "start_unix": start_unix, "requests": per_request}
-
-

@@ -56,9 +56,15 @@ DEFAULT_NUM_PROMPTS = 100
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_backend_arguments(parser)
-    parser.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for the server to be ready (default: 60)")
+    parser.add_argument(
+        "--ready-timeout", type=float, default=60.0, help="seconds to wait for the server to be ready (default: 60)"
+    )
     add_workload_arguments(
-        parser, input_len=1024, output_len=None, num_prompts=DEFAULT_NUM_PROMPTS, request_rate=math.inf,
+        parser,
+        input_len=1024,
+        output_len=None,
+        num_prompts=DEFAULT_NUM_PROMPTS,
+        request_rate=math.inf,
         tokenizer_default="grpc: tiny; HTTP: the served model's, when it is a preset or a local path",
     )
 
@@ -72,13 +78,22 @@ def sample_workload(args: argparse.Namespace, tokenizer: str) -> Workload:
         return sharegpt_requests(args.dataset_path, args.num_prompts, encode, args.seed, args.output_len)
     if args.dataset == PREFIX_REPETITION:
         return prefix_repetition_requests(
-            args.num_prompts, args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
-            args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len, args.vocab_size, args.seed,
+            args.num_prompts,
+            args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len,
+            args.vocab_size,
+            args.seed,
         )
     if args.dataset == MULTI_TURN:
         return multi_turn_conversations(
-            args.multi_turn_num_conversations, args.multi_turn_turns, args.multi_turn_input_len,
-            args.multi_turn_output_len, args.vocab_size, args.seed,
+            args.multi_turn_num_conversations,
+            args.multi_turn_turns,
+            args.multi_turn_input_len,
+            args.multi_turn_output_len,
+            args.vocab_size,
+            args.seed,
         )
     output_len = 128 if args.output_len is None else args.output_len
     return random_requests(args.num_prompts, args.input_len, output_len, args.range_ratio, args.vocab_size, args.seed)
@@ -88,7 +103,10 @@ def as_text_requests(requests: Sequence[SampledRequest], tokenizer: str) -> list
     """Token-id prompts decoded to text (a chat message is text); `prompt_len` stays the ids' count
     until the server's usage reports the rendered prompt's."""
     decode = load_tokenizer(tokenizer).decode
-    return [r if r.prompt_token_ids is None else replace(r, prompt=decode(r.prompt_token_ids), prompt_token_ids=None) for r in requests]
+    return [
+        r if r.prompt_token_ids is None else replace(r, prompt=decode(r.prompt_token_ids), prompt_token_ids=None)
+        for r in requests
+    ]
 
 
 def workload_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -166,14 +184,20 @@ def _check_backend_flags(args: argparse.Namespace) -> None:
         if args.target is None:
             raise UsageError("--backend grpc needs --target HOST:PORT")
         if args.base_url is not None or args.stats_target is not None:
-            raise UsageError("--base-url and --stats-target are for the HTTP backends (--backend openai or openai-chat)")
+            raise UsageError(
+                "--base-url and --stats-target are for the HTTP backends (--backend openai or openai-chat)"
+            )
     else:
         if args.base_url is None:
             raise UsageError(f"--backend {args.backend} needs --base-url URL (e.g. http://127.0.0.1:8080)")
         if args.target is not None:
-            raise UsageError(f"--target is for --backend grpc; with --backend {args.backend}, --stats-target HOST:PORT reads the KV figures")
+            raise UsageError(
+                f"--target is for --backend grpc; with --backend {args.backend}, --stats-target HOST:PORT reads the KV figures"
+            )
         if args.dataset == MULTI_TURN:
-            raise UsageError("--dataset multi_turn builds each turn from the answer's token ids, which only --backend grpc streams")
+            raise UsageError(
+                "--dataset multi_turn builds each turn from the answer's token ids, which only --backend grpc streams"
+            )
 
 
 def _tokenizer_name(args: argparse.Namespace, model: str | None) -> str:

@@ -73,8 +73,13 @@ def prefill_step_seconds(
 ) -> dict[str, float]:
     """Median step time of the same prefill, deferred vs eager finalize, alternating."""
     config = EngineConfig(
-        dtype="float32", num_blocks=2048, max_num_batched_tokens=sum(map(len, prompts)), max_num_seqs=len(prompts),
-        draft_model=str(draft), num_speculative_tokens=3, device=device,
+        dtype="float32",
+        num_blocks=2048,
+        max_num_batched_tokens=sum(map(len, prompts)),
+        max_num_seqs=len(prompts),
+        draft_model=str(draft),
+        num_speculative_tokens=3,
+        device=device,
     )
     model_config = load_model_config(str(target))
     layout = KVCacheLayout.for_model(model_config, config.block_size, torch.float32)
@@ -93,7 +98,9 @@ def prefill_step_seconds(
                     registry.register(request_id, b"t", len(prompt))
                     engine.add_request(prompt, params, request_id, {TRANSFER_TOKEN: b"t"})
                 start = time.perf_counter()
-                engine.step(eager_finalize=mode == "eager")  # every prompt in one step: the prefill, its save and the draft pass
+                engine.step(
+                    eager_finalize=mode == "eager"
+                )  # every prompt in one step: the prefill, its save and the draft pass
                 elapsed = time.perf_counter() - start
                 if i > 0:  # the first round warms up
                     times[mode].append(elapsed)
@@ -107,11 +114,20 @@ def prefill_step_seconds(
 
 
 def decode_tokens_per_s(
-    target: pathlib.Path, draft: pathlib.Path | None, prompts: list[list[int]], max_tokens: int, k: int, device: str = "cpu"
+    target: pathlib.Path,
+    draft: pathlib.Path | None,
+    prompts: list[list[int]],
+    max_tokens: int,
+    k: int,
+    device: str = "cpu",
 ) -> tuple[float, float]:
     config = EngineConfig(
-        dtype="float32", num_blocks=2048, max_num_seqs=len(prompts),
-        draft_model=None if draft is None else str(draft), num_speculative_tokens=0 if draft is None else k, device=device,
+        dtype="float32",
+        num_blocks=2048,
+        max_num_seqs=len(prompts),
+        draft_model=None if draft is None else str(draft),
+        num_speculative_tokens=0 if draft is None else k,
+        device=device,
     )
     engine = LLMEngine(str(target), config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -146,18 +162,34 @@ def main(args: argparse.Namespace) -> int:
         step = prefill_step_seconds(target, first, prompts, args.repeats, args.device)
         ratio = step["deferred"] / step["eager"]
         print(f"prefill step with a draft pass ({args.num_prompts} x {args.prompt_len} tokens, staging to the pool):")
-        print(f"  deferred finalize {1000 * step['deferred']:.1f} ms, eager {1000 * step['eager']:.1f} ms: {ratio:.2f}x (target <= 0.85x)")
+        print(
+            f"  deferred finalize {1000 * step['deferred']:.1f} ms, eager {1000 * step['eager']:.1f} ms: {ratio:.2f}x (target <= 0.85x)"
+        )
         decode_prompts = [torch.randint(0, vocab, (32,), generator=gen).tolist() for _ in range(args.decode_batch)]
         rows = {}
-        for name, draft in (("no speculation", None), ("draft: target's first layer", first), ("draft: unrelated", unrelated)):
-            rows[name] = decode_tokens_per_s(target, draft, decode_prompts, args.max_tokens, args.num_speculative_tokens, args.device)
+        for name, draft in (
+            ("no speculation", None),
+            ("draft: target's first layer", first),
+            ("draft: unrelated", unrelated),
+        ):
+            rows[name] = decode_tokens_per_s(
+                target, draft, decode_prompts, args.max_tokens, args.num_speculative_tokens, args.device
+            )
         base = rows["no speculation"][0]
         print(f"decode, batch {args.decode_batch}, K={args.num_speculative_tokens}:")
         for name, (tps, acceptance) in rows.items():
             print(f"  {name:<30} {tps:8.1f} tokens/s  {tps / base:5.2f}x  acceptance {acceptance:.2f}")
     if args.json:
-        print(json.dumps({
-            "prefill_step_deferred_s": step["deferred"], "prefill_step_eager_s": step["eager"], "deferred_over_eager": ratio,
-            "decode": {name: {"tokens_per_s": tps, "acceptance_rate": acc} for name, (tps, acc) in rows.items()},
-        }))
+        print(
+            json.dumps(
+                {
+                    "prefill_step_deferred_s": step["deferred"],
+                    "prefill_step_eager_s": step["eager"],
+                    "deferred_over_eager": ratio,
+                    "decode": {
+                        name: {"tokens_per_s": tps, "acceptance_rate": acc} for name, (tps, acc) in rows.items()
+                    },
+                }
+            )
+        )
     return 0

@@ -21,7 +21,9 @@ def render(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     table = [tuple(header), *(tuple(row) for row in rows)]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = [
-        "  ".join(text.ljust(width) if i == 0 else text.rjust(width) for i, (text, width) in enumerate(zip(row, widths)))
+        "  ".join(
+            text.ljust(width) if i == 0 else text.rjust(width) for i, (text, width) in enumerate(zip(row, widths))
+        )
         for row in table
     ]
     rule = "=" * len(lines[0])

@@ -58,9 +58,7 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def _receiver(
-    conn: Connection, num_bytes: int, chunk_bytes: int, num_threads: int, timeout_s: float
-) -> None:
+def _receiver(conn: Connection, num_bytes: int, chunk_bytes: int, num_threads: int, timeout_s: float) -> None:
     try:
         torch.set_num_threads(num_threads)
         dst = torch.zeros(num_bytes, dtype=torch.uint8)  # zeroed: pages faulted in before timing
@@ -178,9 +176,7 @@ def tcp_transfer(
     finally:
         close_children([recv_conn, recv_child, send_conn, send_child], [receiver, sender])
     if received_crc != sent_crc:
-        raise RuntimeError(
-            f"tcp baseline: destination crc32 {received_crc:#010x} != source {sent_crc:#010x}"
-        )
+        raise RuntimeError(f"tcp baseline: destination crc32 {received_crc:#010x} != source {sent_crc:#010x}")
     return TransferResult(
         num_bytes=num_bytes,
         seconds=seconds,

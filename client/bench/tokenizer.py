@@ -27,5 +27,7 @@ def load_tokenizer(name: str) -> Tokenizer:
     except ValueError as e:  # ModelLoadError: not a preset, directory or GGUF file
         raise ValueError(f"--tokenizer: {e}") from None
     if tokenizer is None:
-        raise ValueError(f"--tokenizer: {name!r} has no tokenizer (no tokenizer.json, or a GGUF file without a token list)")
+        raise ValueError(
+            f"--tokenizer: {name!r} has no tokenizer (no tokenizer.json, or a GGUF file without a token list)"
+        )
     return tokenizer

@@ -119,14 +119,18 @@ class _GrpcPair:
         self._processes: list[mp.process.BaseProcess] = []
         self._num_pulls = 0
         try:
-            self._prefill = ctx.Process(target=prefill_process, args=(prefill_child, setup), name="prefill", daemon=True)
+            self._prefill = ctx.Process(
+                target=prefill_process, args=(prefill_child, setup), name="prefill", daemon=True
+            )
             self._processes.append(self._prefill)
             self._prefill.start()
             pin(self._prefill, cores[0] if cores else None)
             ready = expect(self._prefill_conn, self._prefill, PrefillReady, setup.timeout_s)
             self.checksums = ready.checksums
             address = f"127.0.0.1:{ready.port}"
-            self._decode = ctx.Process(target=decode_process, args=(decode_child, setup, address), name="decode", daemon=True)
+            self._decode = ctx.Process(
+                target=decode_process, args=(decode_child, setup, address), name="decode", daemon=True
+            )
             self._processes.append(self._decode)
             self._decode.start()
             pin(self._decode, cores[1] if cores else None)
@@ -153,8 +157,12 @@ class _GrpcPair:
         verify_pull(pulled, self.checksums)
         num_bytes = self.setup.num_bytes
         return GrpcTransfer(
-            pulled.seconds, num_bytes / pulled.seconds / 1e9, staged.seconds,
-            sender_cpu_end - staged.process_cpu_seconds, pulled.cpu_seconds, num_bytes,
+            pulled.seconds,
+            num_bytes / pulled.seconds / 1e9,
+            staged.seconds,
+            sender_cpu_end - staged.process_cpu_seconds,
+            pulled.cpu_seconds,
+            num_bytes,
         )
 
     def stop(self) -> dict[str, dict[str, int]]:
@@ -231,7 +239,9 @@ def run_transfer_bench(
                 grpc_runs.append(pair.transfer())
                 if shared_memory:
                     shm_runs.append(pair.transfer(use_shared_memory=True))
-                tcp_runs.append(tcp_transfer(setup.num_bytes, chunk_bytes=MiB, timeout_s=timeout_s, seed=seed + i, cores=cores))
+                tcp_runs.append(
+                    tcp_transfer(setup.num_bytes, chunk_bytes=MiB, timeout_s=timeout_s, seed=seed + i, cores=cores)
+                )
                 plain_runs.append(plain_grpc_transfer(setup.num_bytes, timeout_s=timeout_s, seed=seed + i, cores=cores))
                 shm = f", same-host shm {shm_runs[-1].gb_per_s:.2f}" if shared_memory else ""
                 log(
@@ -294,21 +304,45 @@ def _positive(kind: type) -> Callable[[str], Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size-mib", type=_positive(float), default=256.0,
-                        help="KV bytes per transfer, MiB (8B-like layout: 256 MiB = 2,048 tokens; default 256)")
-    parser.add_argument("--repeats", type=_positive(int), default=5,
-                        help="transfers each way, alternating; best and median reported (default 5)")
-    parser.add_argument("--reversed-blocks", action="store_true",
-                        help="decode-side block ids in descending order (no contiguous runs)")
+    parser.add_argument(
+        "--size-mib",
+        type=_positive(float),
+        default=256.0,
+        help="KV bytes per transfer, MiB (8B-like layout: 256 MiB = 2,048 tokens; default 256)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_positive(int),
+        default=5,
+        help="transfers each way, alternating; best and median reported (default 5)",
+    )
+    parser.add_argument(
+        "--reversed-blocks", action="store_true", help="decode-side block ids in descending order (no contiguous runs)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the source KV (default 0)")
-    parser.add_argument("--timeout", type=_positive(float), default=120.0,
-                        help="seconds any one step may take before the run fails (default 120)")
-    parser.add_argument("--no-pin", dest="pin", action="store_false",
-                        help="do not pin the sender and the receiver (gRPC and TCP alike) to two different cores")
-    parser.add_argument("--device", default="cpu",
-                        help="'cpu' or 'cuda[:N]': where both processes' KV caches live (raw TCP moves host bytes; default cpu)")
-    parser.add_argument("--no-shm", dest="shared_memory", action="store_false",
-                        help="skip the same-host shared-memory path (--kv-transfer-shm), reported apart from gRPC")
+    parser.add_argument(
+        "--timeout",
+        type=_positive(float),
+        default=120.0,
+        help="seconds any one step may take before the run fails (default 120)",
+    )
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="do not pin the sender and the receiver (gRPC and TCP alike) to two different cores",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="'cpu' or 'cuda[:N]': where both processes' KV caches live (raw TCP moves host bytes; default cpu)",
+    )
+    parser.add_argument(
+        "--no-shm",
+        dest="shared_memory",
+        action="store_false",
+        help="skip the same-host shared-memory path (--kv-transfer-shm), reported apart from gRPC",
+    )
     parser.add_argument("--json", action="store_true", help="end with one line of JSON: the whole report")
 
 
@@ -321,8 +355,14 @@ def main(args: argparse.Namespace) -> int:
     available = sorted(os.sched_getaffinity(0))
     cores = (available[0], available[1]) if args.pin and len(available) >= 2 else None
     report = run_transfer_bench(
-        args.size_mib, args.repeats, is_reversed=args.reversed_blocks, seed=args.seed, timeout_s=args.timeout,
-        cores=cores, device=args.device, shared_memory=args.shared_memory,
+        args.size_mib,
+        args.repeats,
+        is_reversed=args.reversed_blocks,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        cores=cores,
+        device=args.device,
+        shared_memory=args.shared_memory,
     )
     r = report
     print(
@@ -341,11 +381,17 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"CPU per GB (best run): PullKV gRPC sender {r['grpc_sender_cpu_s_per_gb']:.2f} s, receiver {r['grpc_receiver_cpu_s_per_gb']:.2f} s; "
         f"plain gRPC receiver {r['plain_grpc_receiver_cpu_s_per_gb']:.2f} s"
-        + (f"; shm sender {r['shm_sender_cpu_s_per_gb']:.2f} s, receiver {r['shm_receiver_cpu_s_per_gb']:.2f} s" if "shm_gbps" in r else "")
+        + (
+            f"; shm sender {r['shm_sender_cpu_s_per_gb']:.2f} s, receiver {r['shm_receiver_cpu_s_per_gb']:.2f} s"
+            if "shm_gbps" in r
+            else ""
+        )
     )
     print("every PullKV transfer verified bit for bit; the baselines by CRC-32")
     for role, m in report["memory"].items():
-        held = f"KV {_mib(m['kv_cache_bytes'])}" + (f" + staging {_mib(m['staging_bytes'])}" if "staging_bytes" in m else "")
+        held = f"KV {_mib(m['kv_cache_bytes'])}" + (
+            f" + staging {_mib(m['staging_bytes'])}" if "staging_bytes" in m else ""
+        )
         verdict = "within" if m["is_within_bound"] else "OVER"
         print(
             f"{role} peak RSS {_mib(m['peak_rss_bytes'])}: {verdict} bound {_mib(m['bound_bytes'])} "

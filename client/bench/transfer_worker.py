@@ -277,7 +277,13 @@ async def _serve_decode(conn: Connection, setup: BenchSetup, address: str) -> No
             spec = LoadSpec(request_id, address, token, block_ids, setup.num_tokens)
             start, start_cpu = time.perf_counter(), time.process_time()
             result = await pull_kv(
-                channel, spec, kv_caches, layout, setup.timeout_s, stats, segments=segments if message.use_shared_memory else None
+                channel,
+                spec,
+                kv_caches,
+                layout,
+                setup.timeout_s,
+                stats,
+                segments=segments if message.use_shared_memory else None,
             )
             if kv_caches[0].is_cuda:
                 torch.cuda.synchronize(kv_caches[0].device)  # the last copies into the cache count too

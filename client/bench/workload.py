@@ -39,10 +39,7 @@ class SampledRequest:
         if (self.prompt_token_ids is None) == (self.prompt is None):
             raise ValueError("SampledRequest needs exactly one of prompt_token_ids and prompt")
         if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_len:
-            raise ValueError(
-                f"prompt_len {self.prompt_len} != "
-                f"len(prompt_token_ids) {len(self.prompt_token_ids)}"
-            )
+            raise ValueError(f"prompt_len {self.prompt_len} != len(prompt_token_ids) {len(self.prompt_token_ids)}")
         if self.prompt_len < 1:
             raise ValueError(f"prompt_len must be >= 1, got {self.prompt_len}")
         if self.expected_output_len < 1:
@@ -235,7 +232,9 @@ def arrival_intervals(n: int, request_rate: float, burstiness: float, seed: int)
     return rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=n).tolist()
 
 
-async def request_arrivals(requests: Sequence[T], request_rate: float, burstiness: float, seed: int) -> AsyncIterator[T]:
+async def request_arrivals(
+    requests: Sequence[T], request_rate: float, burstiness: float, seed: int
+) -> AsyncIterator[T]:
     """Yield requests (or conversations: their first turns arrive so) at their arrival times; the first one at once.
 
     Arrival times are cumulative from the start, so time the consumer spends between

@@ -128,7 +128,10 @@ class KVConnectorBase(abc.ABC):
         """Whether this connector's class does anything in the two per-layer hooks (a decode
         step without them runs all its layers in one C++ call)."""
         cls = type(self)
-        return cls.wait_for_layer_load is not KVConnectorBase.wait_for_layer_load or cls.save_kv_layer is not KVConnectorBase.save_kv_layer
+        return (
+            cls.wait_for_layer_load is not KVConnectorBase.wait_for_layer_load
+            or cls.save_kv_layer is not KVConnectorBase.save_kv_layer
+        )
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Called inside the forward before layer `layer`'s attention reads the cache.

@@ -197,8 +197,14 @@ class DecodeKVConnector(KVConnectorBase):
             try:
                 async with self._channels.use(address) as channel:
                     return await pull_kv(
-                        channel, spec, self._kv_caches, self.layout, max(0.0, deadline - loop.time()), self.stats,
-                        self._metadata, self._segments,
+                        channel,
+                        spec,
+                        self._kv_caches,
+                        self.layout,
+                        max(0.0, deadline - loop.time()),
+                        self.stats,
+                        self._metadata,
+                        self._segments,
                     )
             finally:
                 slots.release()

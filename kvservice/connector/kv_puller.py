@@ -66,7 +66,9 @@ async def pull_kv(
         try:
             segment = segments.take(spec.remote_address)
         except OSError as e:
-            logger.warning("request %s: no shared-memory segment (%s); pulling over the gRPC stream", spec.request_id, e)
+            logger.warning(
+                "request %s: no shared-memory segment (%s); pulling over the gRPC stream", spec.request_id, e
+            )
     is_all_in_ring = False
     try:
         request = pb.PullKVRequest(
@@ -107,7 +109,9 @@ async def _receive(
     run_ends = _run_ends(spec.block_ids)
     host_caches = _host_views(kv_caches, spec.block_ids, run_ends, layout)
     # written[layer][block]: each block of each layer exactly once (the cached ones count as written).
-    written = [bytearray(b"\x01" * spec.first_block + bytes(num_blocks - spec.first_block)) for _ in range(layout.num_layers)]
+    written = [
+        bytearray(b"\x01" * spec.first_block + bytes(num_blocks - spec.first_block)) for _ in range(layout.num_layers)
+    ]
     start = time.perf_counter()
     num_chunks = num_bytes = num_ring_chunks = 0
     ring_read_end = 0  # the shared-memory ring: where the last chunk read from it ended
@@ -125,14 +129,18 @@ async def _receive(
             assert header is not None
             first, n = header.first_block, header.num_blocks
             if first < spec.first_block:
-                raise wire.KVChunkError(f"header.first_block: {first}, but the pull asked for blocks from {spec.first_block}")
+                raise wire.KVChunkError(
+                    f"header.first_block: {first}, but the pull asked for blocks from {spec.first_block}"
+                )
             payload = decoded.payload
             if header.in_shared_memory:
                 payload = _ring_payload(header, payload, segment, ring_read_end)
                 ring_read_end = header.shared_memory_position + len(payload)
             wire.validate_chunk(header, payload, layout, spec.request_id, num_blocks)
             if any(written[header.layer][first : first + n]):
-                raise wire.KVChunkError(f"header.first_block: blocks [{first}, {first + n}) of layer {header.layer} sent twice")
+                raise wire.KVChunkError(
+                    f"header.first_block: blocks [{first}, {first + n}) of layer {header.layer} sent twice"
+                )
             src = wire.payload_view(payload, layout, n)  # [2, n, block_size, kv_heads, head_dim]
             if host_caches is not None:
                 _copy_runs(host_caches[header.layer], src, spec.block_ids, run_ends, first, n)
@@ -168,7 +176,9 @@ async def _receive(
     return LoadResult(spec.request_id, first_token_id), num_ring_chunks == num_chunks > 0
 
 
-def _ring_payload(header: pb.KVChunkHeader, payload: memoryview, segment: SharedSegment | None, read_end: int) -> memoryview:
+def _ring_payload(
+    header: pb.KVChunkHeader, payload: memoryview, segment: SharedSegment | None, read_end: int
+) -> memoryview:
     """A header-only chunk's bytes: `header.num_bytes` from the pull's ring at the position it
     names, which must follow the last chunk read from it (`validate_chunk` then checks size and CRC-32)."""
     if segment is None:
@@ -177,7 +187,9 @@ def _ring_payload(header: pb.KVChunkHeader, payload: memoryview, segment: Shared
         raise wire.KVChunkError("header.in_shared_memory: the frame carries a payload too")
     position = header.shared_memory_position
     if position < read_end:
-        raise wire.KVChunkError(f"header.shared_memory_position: {position}, before the previous chunk's end {read_end}")
+        raise wire.KVChunkError(
+            f"header.shared_memory_position: {position}, before the previous chunk's end {read_end}"
+        )
     try:
         return memoryview(segment.ring_region(position, header.num_bytes))
     except ValueError as e:
@@ -195,7 +207,9 @@ def _host_views(
     index_copy_ raises on those as it always did, where byte copies would clip, wrap or
     reinterpret.
     """
-    if not kv_caches or not all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == layout.dtype for t in kv_caches):
+    if not kv_caches or not all(
+        t.device.type == "cpu" and t.is_contiguous() and t.dtype == layout.dtype for t in kv_caches
+    ):
         return None
     if block_ids and not (0 <= min(block_ids) and max(block_ids) < min(t.shape[1] for t in kv_caches)):
         return None
@@ -215,7 +229,9 @@ def _run_ends(block_ids: list[int]) -> list[int]:
     return ends
 
 
-def _copy_runs(dst: np.ndarray, src: torch.Tensor, block_ids: list[int], run_ends: list[int], first: int, n: int) -> None:
+def _copy_runs(
+    dst: np.ndarray, src: torch.Tensor, block_ids: list[int], run_ends: list[int], first: int, n: int
+) -> None:
     """Blocks [first, first + n) of the transfer into their local blocks, one copy per run.
 
     dst: [2, num_local_blocks, B] uint8; src: [2, n, block_size, kv_heads, head_dim].

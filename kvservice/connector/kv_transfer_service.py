@@ -69,7 +69,9 @@ class KVTransferService:
         if mismatch:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         try:
-            transfer = await self.registry.wait_registered(request.request_id, request.transfer_token, self.registration_timeout)
+            transfer = await self.registry.wait_registered(
+                request.request_id, request.transfer_token, self.registration_timeout
+            )
             changed = self.registry.start_pull(transfer, request.transfer_token, request.first_block)
         except TransferInvalid as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -113,7 +115,11 @@ class KVTransferService:
         try:
             return self._segments.open(request.shared_memory)
         except OSError as e:  # SharedMemoryUnavailable among them
-            logger.info("request %s: KV goes over the gRPC stream: the puller's shared memory does not open here (%s)", transfer.request_id, e)
+            logger.info(
+                "request %s: KV goes over the gRPC stream: the puller's shared memory does not open here (%s)",
+                transfer.request_id,
+                e,
+            )
             return None
 
     async def _frames(
@@ -138,7 +144,9 @@ class KVTransferService:
                 payload = memoryview(buffer[chunk.offset : chunk.offset + chunk.num_bytes].numpy())
                 if skip > 0:
                     # Staged before the pull said where it starts: send only the rest (K and V of it).
-                    payload = memoryview(np.ascontiguousarray(np.asarray(payload).reshape(2, chunk.num_blocks, -1)[:, skip:])).cast("B")
+                    payload = memoryview(
+                        np.ascontiguousarray(np.asarray(payload).reshape(2, chunk.num_blocks, -1)[:, skip:])
+                    ).cast("B")
                 num_blocks = chunk.num_blocks - max(skip, 0)
                 first_block = chunk.first_block + max(skip, 0)
                 position = None

@@ -129,7 +129,9 @@ class PrefillKVConnector(KVConnectorBase):
         if kv_caches[0].is_cuda:
             self._copy_stream = torch.cuda.Stream(device=kv_caches[0].device)
         else:
-            self._copy_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-stage", initializer=name_native_thread)
+            self._copy_thread = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="kv-stage", initializer=name_native_thread
+            )
 
     # ------------------------------------------------------------ scheduler side
 
@@ -162,7 +164,10 @@ class PrefillKVConnector(KVConnectorBase):
         if not _is_saving(request):
             return False, None
         self._num_staged_blocks.pop(request.request_id, None)
-        if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR) or not request.output_token_ids:
+        if (
+            request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+            or not request.output_token_ids
+        ):
             self.registry.fail(request.request_id, "the prefill request was aborted")
         elif any(p.transfer.request_id == request.request_id for p in self._pending_copies):
             self._pending_complete[request.request_id] = request.output_token_ids[0]
@@ -212,7 +217,12 @@ class PrefillKVConnector(KVConnectorBase):
                     self.registry.publish(transfer, chunk)
 
     def _copy_async(
-        self, kv_layer: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, transfer: StagedTransfer, chunk: StagedChunk
+        self,
+        kv_layer: torch.Tensor,
+        index: torch.Tensor,
+        dst: torch.Tensor,
+        transfer: StagedTransfer,
+        chunk: StagedChunk,
     ) -> None:
         """CUDA: gather on the side stream, copy to pinned host memory without blocking, record an event."""
         with torch.cuda.stream(self._copy_stream):
@@ -233,7 +243,9 @@ class PrefillKVConnector(KVConnectorBase):
                 return
             self._pending_copies.pop(0)
             crc32 = head.done.crc32()
-            self.registry.publish(head.transfer, head.chunk if crc32 is None else dataclasses.replace(head.chunk, crc32=crc32))
+            self.registry.publish(
+                head.transfer, head.chunk if crc32 is None else dataclasses.replace(head.chunk, crc32=crc32)
+            )
         for request_id, token_id in self._pending_complete.items():
             self.registry.complete(request_id, token_id)
         self._pending_complete.clear()
@@ -263,7 +275,9 @@ class PrefillKVConnector(KVConnectorBase):
 
     def make_stats(self) -> KVConnectorStats:
         pool = self.registry.pool
-        return KVConnectorStats(staging=StagingStats(pool.bytes_in_use, pool.capacity_bytes, self.registry.num_transfers))
+        return KVConnectorStats(
+            staging=StagingStats(pool.bytes_in_use, pool.capacity_bytes, self.registry.num_transfers)
+        )
 
     def shutdown(self) -> None:
         self._publish_ready_copies(block=True)

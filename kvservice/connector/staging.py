@@ -69,7 +69,10 @@ class StagingPool:
             self._free_offsets.insert(i, buffer.offset)
             self._free_lengths.insert(i, buffer.num_bytes)
             # Coalesce with the next, then the previous range.
-            if i + 1 < len(self._free_offsets) and self._free_offsets[i] + self._free_lengths[i] == self._free_offsets[i + 1]:
+            if (
+                i + 1 < len(self._free_offsets)
+                and self._free_offsets[i] + self._free_lengths[i] == self._free_offsets[i + 1]
+            ):
                 self._free_lengths[i] += self._free_lengths.pop(i + 1)
                 self._free_offsets.pop(i + 1)
             if i > 0 and self._free_offsets[i - 1] + self._free_lengths[i - 1] == self._free_offsets[i]:

@@ -109,15 +109,21 @@ class TransferRegistry:
                 raise TransferDenied(f"request_id {request_id!r} already has a staged transfer")
             buffer = self.pool.reserve(num_bytes)
             if buffer is None:
-                raise StagingExhausted(f"staging pool full ({self.pool.bytes_in_use}/{self.pool.capacity_bytes} bytes in use)")
-            transfer = StagedTransfer(request_id, token, num_tokens, num_blocks, buffer, time.monotonic() + self.lease_seconds)
+                raise StagingExhausted(
+                    f"staging pool full ({self.pool.bytes_in_use}/{self.pool.capacity_bytes} bytes in use)"
+                )
+            transfer = StagedTransfer(
+                request_id, token, num_tokens, num_blocks, buffer, time.monotonic() + self.lease_seconds
+            )
             self._transfers[request_id] = transfer
             self._rejected.pop(request_id, None)  # a retry after a refusal
             waiters = self._registration_waiters.pop(request_id, [])
         _wake(waiters)
         return transfer
 
-    async def register_when_space(self, request_id: str, token: bytes, num_tokens: int, timeout: float) -> StagedTransfer:
+    async def register_when_space(
+        self, request_id: str, token: bytes, num_tokens: int, timeout: float
+    ) -> StagedTransfer:
         """`register`, waiting up to `timeout` seconds for staging space to free up."""
         deadline = time.monotonic() + timeout
         while True:
@@ -188,7 +194,9 @@ class TransferRegistry:
         if release:
             self._release(transfer)
 
-    def chunk_buffer(self, transfer: StagedTransfer, layer: int, first_block: int, num_blocks: int) -> tuple[StagedChunk, torch.Tensor]:
+    def chunk_buffer(
+        self, transfer: StagedTransfer, layer: int, first_block: int, num_blocks: int
+    ) -> tuple[StagedChunk, torch.Tensor]:
         """Room for one chunk in the transfer's buffer (engine thread, with the transfer pinned):
         the chunk and a [2, n, block_size, kv_heads, head_dim] tensor to copy it into."""
         L = self.layout
@@ -338,7 +346,8 @@ class TransferRegistry:
         with self._lock:
             self._rejected = {k: v for k, v in self._rejected.items() if v[2] >= now}
             expired = [
-                t.request_id for t in self._transfers.values()
+                t.request_id
+                for t in self._transfers.values()
                 if t.lease_deadline < now and not t.is_released and not t.is_pull_active
             ]
         for request_id in expired:

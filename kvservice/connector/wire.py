@@ -64,9 +64,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise KVChunkError(
-            f"dtype: unsupported {name[:_MAX_ERROR_REPR]!r}; supported: {sorted(_DTYPES)}"
-        ) from None
+        raise KVChunkError(f"dtype: unsupported {name[:_MAX_ERROR_REPR]!r}; supported: {sorted(_DTYPES)}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +163,9 @@ def encode_done(
     return b"".join(_field(_TAG_DONE, done))
 
 
-def _field(tag: bytes, value: bytes | memoryview, num_bytes: int | None = None) -> tuple[bytes, bytes, bytes | memoryview]:
+def _field(
+    tag: bytes, value: bytes | memoryview, num_bytes: int | None = None
+) -> tuple[bytes, bytes, bytes | memoryview]:
     """A length-delimited field's three parts: tag, length, value (joined once by the caller)."""
     return tag, _varint(len(value) if num_bytes is None else num_bytes), value
 
@@ -273,10 +273,7 @@ def validate_chunk(
     of a layer that exists.
     """
     if header.request_id != request_id:
-        raise KVChunkError(
-            f"header.request_id: got {header.request_id[:_MAX_ERROR_REPR]!r}, "
-            f"expected {request_id!r}"
-        )
+        raise KVChunkError(f"header.request_id: got {header.request_id[:_MAX_ERROR_REPR]!r}, expected {request_id!r}")
     if header.layer >= layout.num_layers:
         raise KVChunkError(f"header.layer: {header.layer} outside [0, {layout.num_layers})")
     if header.num_blocks == 0:
@@ -289,14 +286,10 @@ def validate_chunk(
         )
     expected_dtype = dtype_name(layout.dtype)
     if header.dtype != expected_dtype:
-        raise KVChunkError(
-            f"header.dtype: got {header.dtype[:_MAX_ERROR_REPR]!r}, expected {expected_dtype!r}"
-        )
+        raise KVChunkError(f"header.dtype: got {header.dtype[:_MAX_ERROR_REPR]!r}, expected {expected_dtype!r}")
     expected_shape = layout.blocks_shape(header.num_blocks)
     if tuple(header.shape) != expected_shape:
-        raise KVChunkError(
-            f"header.shape: got {list(header.shape)[:8]}, expected {list(expected_shape)}"
-        )
+        raise KVChunkError(f"header.shape: got {list(header.shape)[:8]}, expected {list(expected_shape)}")
     expected_bytes = header.num_blocks * layout.bytes_per_block_per_layer
     if header.num_bytes != expected_bytes:
         raise KVChunkError(f"header.num_bytes: got {header.num_bytes}, expected {expected_bytes}")
@@ -306,9 +299,7 @@ def validate_chunk(
     if check_crc32:
         crc = _crc32(payload)
         if crc != header.crc32:
-            raise KVChunkError(
-                f"header.crc32: payload has {crc:#010x}, header says {header.crc32:#010x}"
-            )
+            raise KVChunkError(f"header.crc32: payload has {crc:#010x}, header says {header.crc32:#010x}")
 
 
 def payload_view(payload: memoryview | bytes, layout: KVCacheLayout, num_blocks: int) -> torch.Tensor:
@@ -322,13 +313,10 @@ def payload_view(payload: memoryview | bytes, layout: KVCacheLayout, num_blocks:
     num_payload_bytes = memoryview(payload).nbytes
     if num_blocks <= 0 or num_payload_bytes != expected_bytes:
         raise KVChunkError(
-            f"payload: {num_payload_bytes} bytes cannot hold {num_blocks} blocks "
-            f"({expected_bytes} bytes)"
+            f"payload: {num_payload_bytes} bytes cannot hold {num_blocks} blocks ({expected_bytes} bytes)"
         )
     with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="The given buffer is not writable", category=UserWarning
-        )
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
         count = expected_bytes // layout.dtype.itemsize
         flat = torch.frombuffer(payload, dtype=layout.dtype, count=count)
     return flat.view(layout.blocks_shape(num_blocks))

@@ -64,7 +64,9 @@ class KVCacheManager:
             hit.append(block_id)
         return hit
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None) -> list[int] | None:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
+    ) -> list[int] | None:
         """Make room for tokens up to `num_computed_tokens + num_new_tokens`, past the
         `cached_blocks` (a prefix hit for a request without blocks: shared, not computed).
 

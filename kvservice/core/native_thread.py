@@ -18,7 +18,9 @@ def name_native_thread(name: str | None = None) -> None:
     and a no-op where prctl is missing (best effort: a name is for people, not for the code)."""
     if not sys.platform.startswith("linux"):
         return
-    encoded = (name if name is not None else threading.current_thread().name).encode("utf-8", "replace")[:_MAX_NAME_BYTES]
+    encoded = (name if name is not None else threading.current_thread().name).encode("utf-8", "replace")[
+        :_MAX_NAME_BYTES
+    ]
     try:
         _process_symbols().prctl(_PR_SET_NAME, ctypes.c_char_p(encoded), 0, 0, 0)
     except (OSError, AttributeError):

@@ -101,7 +101,11 @@ class EngineCoreOutput:
 
 
 def request_output(
-    request: Request, token_ids: list[int], status: RequestStatus | None, logprobs: list[TokenLogprobs] | None, is_first: bool
+    request: Request,
+    token_ids: list[int],
+    status: RequestStatus | None,
+    logprobs: list[TokenLogprobs] | None,
+    is_first: bool,
 ) -> EngineCoreOutput:
     """A request's output for this step; its first one also carries the prompt's cache hit
     and, where asked for and gathered, its prompt logprobs (sent once)."""
@@ -146,7 +150,9 @@ class SpecDecodingStats:
     @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per verify step: the accepted drafts plus the target's own token."""
-        return (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps if self.num_verify_steps else 0.0
+        return (
+            (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps if self.num_verify_steps else 0.0
+        )
 
 
 @dataclass(frozen=True, slots=True)

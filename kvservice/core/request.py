@@ -106,7 +106,9 @@ class Request:
     @property
     def needs_prompt_logprobs(self) -> bool:
         """Whether prompt logprobs are asked for and not all gathered yet."""
-        return self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        return (
+            self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

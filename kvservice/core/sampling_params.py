@@ -61,7 +61,9 @@ class SamplingParams:
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS} are allowed")
+            raise ValueError(
+                f"stop_token_ids: {len(self.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS} are allowed"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
         check_num_logprobs(self.logprobs, "logprobs")

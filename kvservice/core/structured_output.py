@@ -40,7 +40,9 @@ class StructuredOutputParams:
     def __post_init__(self) -> None:
         given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"structured output: exactly one of json_schema, json_object, regex, choice, grammar must be set, got {given or 'none'}")
+            raise ValueError(
+                f"structured output: exactly one of json_schema, json_object, regex, choice, grammar must be set, got {given or 'none'}"
+            )
         if self.json_schema is not None:
             object.__setattr__(self, "json_schema", _compact_schema(self.json_schema, "json_schema"))
         if self.json_object is not False and self.json_object is not True:
@@ -90,12 +92,20 @@ def from_structured_outputs(structured_outputs: object) -> StructuredOutputParam
     known = {"json", "json_object", "regex", "choice", "grammar", *_IGNORED_VLLM_OPTIONS}
     unknown = sorted(str(k) for k, v in structured_outputs.items() if k not in known and v is not None)
     if unknown:
-        raise ValueError(f"structured_outputs.{unknown[0]}: not supported (supported: json, json_object, regex, choice, grammar)")
-    given = {k: v for k, v in structured_outputs.items() if k not in _IGNORED_VLLM_OPTIONS and v is not None and v is not False}
+        raise ValueError(
+            f"structured_outputs.{unknown[0]}: not supported (supported: json, json_object, regex, choice, grammar)"
+        )
+    given = {
+        k: v
+        for k, v in structured_outputs.items()
+        if k not in _IGNORED_VLLM_OPTIONS and v is not None and v is not False
+    }
     if not given:
         return None
     if len(given) > 1:
-        raise ValueError(f"structured_outputs: set exactly one of json, json_object, regex, choice, grammar, got {sorted(given)}")
+        raise ValueError(
+            f"structured_outputs: set exactly one of json, json_object, regex, choice, grammar, got {sorted(given)}"
+        )
     [(key, value)] = given.items()
     field = f"structured_outputs.{key}"
     if key == "json":
@@ -147,7 +157,9 @@ def _validate_choice(choice: object) -> tuple[str, ...]:
         raise ValueError(f"choice: expected 1 to {MAX_CHOICES} strings")
     for c in choice:
         if not isinstance(c, str) or not 0 < len(c) <= MAX_CHOICE_CHARS:
-            raise ValueError(f"choice: each choice must be a string of 1 to {MAX_CHOICE_CHARS} characters, got {c!r:.80}")
+            raise ValueError(
+                f"choice: each choice must be a string of 1 to {MAX_CHOICE_CHARS} characters, got {c!r:.80}"
+            )
     return tuple(choice)
 
 

@@ -203,7 +203,11 @@ class AsyncLLMEngine:
             self._abort_unless(finished, future, rid)
 
     def _add(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None, kv_transfer_params: dict[str, Any] | None,
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None,
+        kv_transfer_params: dict[str, Any] | None,
         deliver: Deliver,
     ) -> tuple[asyncio.Future[str], str]:
         """Queue a request for the step thread: a future that resolves once it is added (or
@@ -318,9 +322,13 @@ class AsyncLLMEngine:
                     self._resolve(command.future, None, e)
             else:
                 if self._is_queue_full():
-                    self._resolve(command.future, None, QueueFull(
-                        f"server overloaded: {self.max_queued_requests} requests already queued; retry later"
-                    ))
+                    self._resolve(
+                        command.future,
+                        None,
+                        QueueFull(
+                            f"server overloaded: {self.max_queued_requests} requests already queued; retry later"
+                        ),
+                    )
                     continue
                 try:
                     rid = self.engine.add_request(

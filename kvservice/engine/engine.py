@@ -86,7 +86,11 @@ class _Tracked:
 
 class LLMEngine:
     def __init__(
-        self, model: str, config: EngineConfig, connector: KVConnectorBase | None = None, core_lease: CoreLease | None = None
+        self,
+        model: str,
+        config: EngineConfig,
+        connector: KVConnectorBase | None = None,
+        core_lease: CoreLease | None = None,
     ) -> None:
         """`core_lease`: steps take turns on the cores with other workers on them (see `CoreLease`)."""
         self.config = config
@@ -118,7 +122,9 @@ class LLMEngine:
         self.prompt_lane: PromptLane | None = None
         if config.prompt_lane:
             if connector is not None:
-                raise ValueError("prompt_lane: a colocated worker's; this engine's KV already comes through a connector")
+                raise ValueError(
+                    "prompt_lane: a colocated worker's; this engine's KV already comes through a connector"
+                )
             self.prompt_lane = PromptLane(
                 self.loaded.model, self.kv_caches, config.block_size, self.loaded.device, config.max_num_batched_tokens
             )
@@ -138,8 +144,11 @@ class LLMEngine:
             self.model_config.vocab_size,
             config.num_speculative_tokens,
             config.max_prefill_tokens_with_decode,
-            None if config.step_target_ms is None else StepTimeBudget(
-                config.step_target_ms / 1000, config.max_prefill_tokens_with_decode or config.max_num_batched_tokens,
+            None
+            if config.step_target_ms is None
+            else StepTimeBudget(
+                config.step_target_ms / 1000,
+                config.max_prefill_tokens_with_decode or config.max_num_batched_tokens,
                 config.max_num_batched_tokens,
             ),
         )
@@ -147,10 +156,18 @@ class LLMEngine:
         if self.draft is not None:
             # Same block ids as the target's cache: one allocation serves both.
             draft_caches = allocate_kv_caches(draft_layout, num_blocks, self.draft.device)
-            drafter = DraftProposer(self.draft.model, draft_caches, config.block_size, config.num_speculative_tokens, self.draft.device)
+            drafter = DraftProposer(
+                self.draft.model, draft_caches, config.block_size, config.num_speculative_tokens, self.draft.device
+            )
         self._grammar_compiler: GrammarCompiler | None = None
         self.runner = ModelRunner(
-            self.loaded.model, self.kv_caches, self.layout, self.loaded.device, config.seed, connector, drafter,
+            self.loaded.model,
+            self.kv_caches,
+            self.layout,
+            self.loaded.device,
+            config.seed,
+            connector,
+            drafter,
             GrammarMasks(self.grammar_compiler),
             core_lease.pause if core_lease is not None and core_lease.role is LeaseRole.YIELDING else None,
         )
@@ -184,7 +201,9 @@ class LLMEngine:
     def grammar_compiler(self) -> GrammarCompiler:
         """Structured output's grammars for this model, built on first use (~0.2 s)."""
         if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+            )
         return self._grammar_compiler
 
     def add_request(
@@ -203,7 +222,7 @@ class LLMEngine:
             # Compiled now (then cached): a schema it cannot enforce is refused before it runs.
             self.grammar_compiler().compile(params.structured_output)
         output_text = OutputText(self.tokenizer, params.stop)
-        resumed = token_ids[len(token_ids) - len(prompt.token_ids):] if isinstance(prompt, ResumedPrompt) else []
+        resumed = token_ids[len(token_ids) - len(prompt.token_ids) :] if isinstance(prompt, ResumedPrompt) else []
         if resumed:
             params = _resumed_params(params, len(resumed))
             # The same detokenizer and stop-string state as the stream had: text held back
@@ -232,9 +251,13 @@ class LLMEngine:
             leader = leader or request
             # Outputs read as the original request's, continued: resumed tokens count as output.
             self._tracked[sequence_id] = _Tracked(
-                request_id, index, token_ids[: len(token_ids) - len(resumed)],
-                output_text if index == 0 else OutputText(self.tokenizer, params.stop), list(resumed),
-                params.logprobs is not None, [] if params.logprobs is not None and not resumed else None,
+                request_id,
+                index,
+                token_ids[: len(token_ids) - len(resumed)],
+                output_text if index == 0 else OutputText(self.tokenizer, params.stop),
+                list(resumed),
+                params.logprobs is not None,
+                [] if params.logprobs is not None and not resumed else None,
             )
         self._sequence_ids[request_id] = sequence_ids
         return request_id
@@ -262,10 +285,13 @@ class LLMEngine:
         if scheduler_output.num_scheduled_tokens:  # what the step cost, for the next steps' prompt budget
             num_prompt = scheduler_output.num_prompt_tokens
             self._last_step_s = time.monotonic() - started
-            self.scheduler.step_budget.observe(scheduler_output.num_scheduled_tokens - num_prompt, num_prompt, self._last_step_s)
+            self.scheduler.step_budget.observe(
+                scheduler_output.num_scheduled_tokens - num_prompt, num_prompt, self._last_step_s
+            )
         kv_output = runner_output.kv_connector_output
         self.is_last_step_idle = (
-            scheduler_output.num_scheduled_tokens == 0 and not scheduler_output.preempted_req_ids
+            scheduler_output.num_scheduled_tokens == 0
+            and not scheduler_output.preempted_req_ids
             # Loads that finished run in the next step; the lane's work is the next step's too.
             and not (kv_output is not None and kv_output.finished_recving)
             and not (self.prompt_lane is not None and self.prompt_lane.has_work)
@@ -280,8 +306,17 @@ class LLMEngine:
         )
         outputs = [out for core in core_outputs if (out := self._to_request_output(core)) is not None]
         if self.step_trace is not None and scheduler_output.num_scheduled_tokens:
-            self.step_trace.steps.append((step_began, scheduled, started, computed, time.monotonic(),
-                                          scheduler_output.num_scheduled_tokens, len(scheduler_output.scheduled)))
+            self.step_trace.steps.append(
+                (
+                    step_began,
+                    scheduled,
+                    started,
+                    computed,
+                    time.monotonic(),
+                    scheduler_output.num_scheduled_tokens,
+                    len(scheduler_output.scheduled),
+                )
+            )
         return outputs
 
     def _run_prompt_lane(self) -> None:

@@ -36,7 +36,9 @@ class LLM:
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         request_ids: list[str] = []

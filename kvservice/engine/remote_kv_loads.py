@@ -117,4 +117,6 @@ class RemoteKVLoads:
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
             return []
-        return self._fail(request, "loading the prompt's KV from the prefill worker failed (kv_load_failure_policy=fail)")
+        return self._fail(
+            request, "loading the prompt's KV from the prefill worker failed (kv_load_failure_policy=fail)"
+        )

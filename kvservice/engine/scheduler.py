@@ -158,7 +158,9 @@ class Scheduler(RemoteKVLoads):
             if budget <= 0 or request.status is not RequestStatus.RUNNING:
                 continue  # out of budget, or preempted for an earlier request this step
             is_prefill = request.num_tokens - request.num_computed_tokens > 1
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget, prefill_budget if is_prefill else budget)
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens, budget, prefill_budget if is_prefill else budget
+            )
             if num_new <= 0:
                 continue
             spec = self._take_spec_tokens(request, budget)
@@ -184,7 +186,9 @@ class Scheduler(RemoteKVLoads):
         # Admit waiting requests only when nothing was preempted: preemption means
         # memory is short, and admitting more would only thrash.
         while (
-            self.waiting and min(budget, prefill_budget) > 0 and not preempted
+            self.waiting
+            and min(budget, prefill_budget) > 0
+            and not preempted
             and len(self.running) + len(self.waiting_for_remote_kv) < self.max_num_seqs  # those join the running
         ):
             # In arrival order, past siblings waiting for their leader's prompt.
@@ -201,7 +205,9 @@ class Scheduler(RemoteKVLoads):
                 continue
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget, prefill_budget)
-            block_ids = self.kv.allocate_slots(request, num_new + self._lookahead(request, num_cached + num_new), cached)
+            block_ids = self.kv.allocate_slots(
+                request, num_new + self._lookahead(request, num_cached + num_new), cached
+            )
             if block_ids is None:
                 break
             self.waiting.remove(request)
@@ -276,7 +282,9 @@ class Scheduler(RemoteKVLoads):
                 self.running.remove(request)
                 self._finish(request, status)
             token_logprobs = logprobs.get(request.request_id)
-            outputs.append(request_output(request, appended, status, token_logprobs and token_logprobs[: len(appended)], is_first))
+            outputs.append(
+                request_output(request, appended, status, token_logprobs and token_logprobs[: len(appended)], is_first)
+            )
         if connector_output is not None:
             outputs.extend(self._update_from_connector(connector_output))
         return outputs

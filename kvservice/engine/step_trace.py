@@ -42,4 +42,6 @@ class StepTrace:
 
     def write(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps({"pid": os.getpid(), "lease_role": self.lease_role, "steps": self.steps, "turns": self.turns}))
+        self.path.write_text(
+            json.dumps({"pid": os.getpid(), "lease_role": self.lease_role, "steps": self.steps, "turns": self.turns})
+        )

@@ -140,7 +140,9 @@ def gguf_block_quant_rows(file: GGUFFile, config: ModelConfig) -> dict[str, Bloc
         if rows is None or hf_name is None:
             continue
         if config.architecture == "llama" and tensor.name.split(".")[-2] in ("attn_q", "attn_k"):
-            num_heads = config.num_attention_heads if tensor.name.split(".")[-2] == "attn_q" else config.num_key_value_heads
+            num_heads = (
+                config.num_attention_heads if tensor.name.split(".")[-2] == "attn_q" else config.num_key_value_heads
+            )
             rows = BlockRows(*(unpermute_qk(t, num_heads) for t in rows))
         state[hf_name] = rows
     return state
@@ -173,7 +175,9 @@ def block_rows(tensor: gguf.ReaderTensor) -> BlockRows | None:
         mins = halves(2)
         packed = blocks[..., 4:]
         codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8)
-    return BlockRows(torch.from_numpy(codes.reshape(num_rows, num_cols)), torch.from_numpy(scales), torch.from_numpy(mins))
+    return BlockRows(
+        torch.from_numpy(codes.reshape(num_rows, num_cols)), torch.from_numpy(scales), torch.from_numpy(mins)
+    )
 
 
 def hf_tensor_name(name: str) -> str | None:
@@ -194,9 +198,7 @@ def dequantize_tensor(tensor: gguf.ReaderTensor, dtype: torch.dtype) -> torch.Te
     try:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as e:
-        raise ModelLoadError(
-            f"tensor {tensor.name}: unsupported quantization type {tensor.tensor_type.name}"
-        ) from e
+        raise ModelLoadError(f"tensor {tensor.name}: unsupported quantization type {tensor.tensor_type.name}") from e
     shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the fastest dimension first
     # F32 comes back as a read-only view of the mapped file: copy it, never alias the file.
     values = np.require(values.reshape(shape), dtype=np.float32, requirements=("C", "W"))

@@ -111,9 +111,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Ba
     alphabet = set(chars.values())
     # Tokens are stored in the byte alphabet; one that is not (a mislabelled special token,
     # say) is respelled from its UTF-8 bytes, so it can still be matched.
-    vocab = {
-        t if set(t) <= alphabet else "".join(chars[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)
-    }
+    vocab = {t if set(t) <= alphabet else "".join(chars[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)}
     backend = BackendTokenizer(
         models.BPE(
             vocab=vocab,
@@ -195,9 +193,7 @@ def _add_special_tokens(
     alphabet = set(_byte_chars().values())
     vocab = backend.get_vocab()
     # In a byte-level vocabulary a CONTROL token outside the byte alphabet is mislabelled: keep it out.
-    special = [
-        t for t, kind in zip(tokens, token_types) if kind == _CONTROL and (not byte_level or set(t) <= alphabet)
-    ]
+    special = [t for t, kind in zip(tokens, token_types) if kind == _CONTROL and (not byte_level or set(t) <= alphabet)]
     special += [t for t in named if t not in special and t in vocab]
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
     user_defined = [t for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED and t in vocab]

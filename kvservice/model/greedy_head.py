@@ -48,13 +48,17 @@ class GreedyHead:
             per_weight = (scales * codes[p0:p1].double()).abs() + mins.abs()
             sums = per_weight.view(p1 - p0, num_cols // BLOCK, BLOCK, panel).sum(2)
             rounded = sums.float()
-            abs_sums[p0:p1] = torch.where(rounded.double() < sums, torch.nextafter(rounded, torch.tensor(float("inf"))), rounded)
+            abs_sums[p0:p1] = torch.where(
+                rounded.double() < sums, torch.nextafter(rounded, torch.tensor(float("inf"))), rounded
+            )
         return cls(weight, vnni, offset, abs_sums, bool(weight.mins.any()))
 
     def tokens(self, x: torch.Tensor) -> list[int] | None:
         """Each row's argmax of x W^T (x: float32 [M, K], M >= MIN_ROWS); None if a row has a
         value that is not finite (the caller then computes the logits in full)."""
         w = self.weight
-        tokens = torch.ops.kvservice.greedy_head(x.contiguous(), self.vnni_codes, self.code_offset, w.codes, w.scales, w.mins, self.abs_sums, self.with_mins)
+        tokens = torch.ops.kvservice.greedy_head(
+            x.contiguous(), self.vnni_codes, self.code_offset, w.codes, w.scales, w.mins, self.abs_sums, self.with_mins
+        )
         result: list[int] = tokens.tolist()
         return None if min(result, default=0) < 0 else result

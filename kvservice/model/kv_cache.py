@@ -54,4 +54,7 @@ def allocate_kv_caches(layout: KVCacheLayout, num_blocks: int, device: torch.dev
     """One zeroed cache tensor per layer. On 4 KiB pages: huge pages (madvise) made decode attention
     over a served cache's scattered blocks ~7% faster, but this VM backs fresh huge pages slowly
     (1 GiB: 2.3 s against 0.2), and `launch` took 6.4-7.2 s to be ready instead of 3.3-3.7."""
-    return [torch.zeros(layout.blocks_shape(num_blocks), dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
+    return [
+        torch.zeros(layout.blocks_shape(num_blocks), dtype=layout.dtype, device=device)
+        for _ in range(layout.num_layers)
+    ]

@@ -205,7 +205,12 @@ class CausalLM(nn.Module):
         dtype = self.model.embed_tokens.weight.dtype
         head = self.lm_head.block_quant
         self._greedy_head = None
-        if head is not None and dtype == torch.float32 and kernels_loaded() and torch.ops.kvservice.greedy_head_supported():
+        if (
+            head is not None
+            and dtype == torch.float32
+            and kernels_loaded()
+            and torch.ops.kvservice.greedy_head_supported()
+        ):
             self._greedy_head = GreedyHead.build(head)  # greedy batches' tokens without every logit
         if dtype not in (torch.float32, torch.bfloat16) or not _can_pack_weights():
             return
@@ -267,7 +272,9 @@ class CausalLM(nn.Module):
         x = _add_rms_norm_(h, None, layers[0].input_layernorm, fused)
         decode_layers = self._decode_layer_args(meta) if fused else None
         if decode_layers is not None:
-            return run_decode_layers(decode_layers, h, x, (positions, rope.cos_table, rope.sin_table), kv_caches, meta, connector)
+            return run_decode_layers(
+                decode_layers, h, x, (positions, rope.cos_table, rope.sin_table), kv_caches, meta, connector
+            )
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             if connector is not None:
@@ -309,11 +316,23 @@ class CausalLM(nn.Module):
             qkv_w, o_w, gate_up_w, down_w = ([w.codes, w.scales, w.mins] for w in weights if w is not None)
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             post_norm = layer.post_attention_layernorm
-            args.append((
-                qkv_w, attn.qkv_proj.bias, o_w, attn.o_proj.bias, gate_up_w, down_w,
-                post_norm.weight, post_norm.eps, next_norm.weight, next_norm.eps,
-                attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            ))
+            args.append(
+                (
+                    qkv_w,
+                    attn.qkv_proj.bias,
+                    o_w,
+                    attn.o_proj.bias,
+                    gate_up_w,
+                    down_w,
+                    post_norm.weight,
+                    post_norm.eps,
+                    next_norm.weight,
+                    next_norm.eps,
+                    attn.num_heads,
+                    attn.num_kv_heads,
+                    attn.head_dim,
+                )
+            )
         return args
 
     @torch.inference_mode()
@@ -326,7 +345,12 @@ class CausalLM(nn.Module):
         """Each row's argmax of `compute_logits(hidden)`, the same tokens, without every logit
         (`kvservice.model.greedy_head`); None where that does not run (then compute the logits)."""
         head = self._greedy_head
-        if head is None or hidden.shape[0] < GREEDY_HEAD_MIN_ROWS or hidden.dtype != torch.float32 or not kernels_loaded():
+        if (
+            head is None
+            or hidden.shape[0] < GREEDY_HEAD_MIN_ROWS
+            or hidden.dtype != torch.float32
+            or not kernels_loaded()
+        ):
             return None
         return head.tokens(hidden)
 

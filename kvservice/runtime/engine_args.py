@@ -20,30 +20,61 @@ from kvservice.config import (
 )
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, step_target_ms: float = SERVING_STEP_TARGET_MS) -> list[argparse.Action]:
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, step_target_ms: float = SERVING_STEP_TARGET_MS
+) -> list[argparse.Action]:
     """Add the engine flags to `parser` (in their own help section); returns their actions.
     `step_target_ms`: --step-target-ms's default (`launch` aims lower than `serve`)."""
-    group = parser.add_argument_group("engine", "the model's placement, the KV cache and batching limits of every worker")
+    group = parser.add_argument_group(
+        "engine", "the model's placement, the KV cache and batching limits of every worker"
+    )
     return [
         group.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default: cpu)"),
-        group.add_argument("--dtype", default="auto", choices=SUPPORTED_DTYPES, help="weights and KV dtype (default: auto, the checkpoint's)"),
-        group.add_argument("--max-model-len", type=int, default=None, help="longest prompt plus output, in tokens (default: the model's)"),
-        group.add_argument("--block-size", type=int, default=16, help="tokens per KV block, a power of two (default: 16)"),
-        group.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the cache (default: as many as --kv-cache-mib holds)"),
         group.add_argument(
-            "--kv-cache-mib", type=int, default=DEFAULT_KV_CACHE_MIB,
+            "--dtype",
+            default="auto",
+            choices=SUPPORTED_DTYPES,
+            help="weights and KV dtype (default: auto, the checkpoint's)",
+        ),
+        group.add_argument(
+            "--max-model-len",
+            type=int,
+            default=None,
+            help="longest prompt plus output, in tokens (default: the model's)",
+        ),
+        group.add_argument(
+            "--block-size", type=int, default=16, help="tokens per KV block, a power of two (default: 16)"
+        ),
+        group.add_argument(
+            "--num-blocks",
+            type=int,
+            default=None,
+            help="KV blocks in the cache (default: as many as --kv-cache-mib holds)",
+        ),
+        group.add_argument(
+            "--kv-cache-mib",
+            type=int,
+            default=DEFAULT_KV_CACHE_MIB,
             help=f"KV cache size in MiB when --num-blocks is not given (default: {DEFAULT_KV_CACHE_MIB})",
         ),
         group.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step (default: 64)"),
-        group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default: 2048)"),
         group.add_argument(
-            "--max-prefill-tokens-with-decode", type=int, default=DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE, metavar="N",
+            "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default: 2048)"
+        ),
+        group.add_argument(
+            "--max-prefill-tokens-with-decode",
+            type=int,
+            default=DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE,
+            metavar="N",
             help="prompt tokens one step computes while requests are decoding: longer prompts are chunked so "
             "running streams keep a short inter-token latency; 0: no cap but --max-num-batched-tokens "
             f"(default: {DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE})",
         ),
         group.add_argument(
-            "--step-target-ms", type=float, default=step_target_ms, metavar="MS",
+            "--step-target-ms",
+            type=float,
+            default=step_target_ms,
+            metavar="MS",
             help="the time from one decode step to the next that arriving prompts may cause, whatever the machine: "
             "a colocated worker's prompt lane and a prefill worker sharing the cores (--core-lease) compute prompts "
             "for what a decode step leaves of it (with --core-lease, of three decode steps where those take longer, "
@@ -54,23 +85,32 @@ def add_engine_arguments(parser: argparse.ArgumentParser, step_target_ms: float 
         ),
         group.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)"),
         group.add_argument(
-            "--kv-load-failure-policy", default="recompute", choices=KV_LOAD_FAILURE_POLICIES,
+            "--kv-load-failure-policy",
+            default="recompute",
+            choices=KV_LOAD_FAILURE_POLICIES,
             help="decode side, when pulling the KV fails: recompute the prompt (default) or fail the request",
         ),
         group.add_argument(
-            "--draft-model", default=None,
+            "--draft-model",
+            default=None,
             help="speculative decoding: a draft model with the same vocabulary ('tiny' or a directory); "
             "decode and colocated workers use it, a prefill worker ignores it (decode workers recompute the draft's KV)",
         ),
-        group.add_argument("--num-speculative-tokens", type=int, default=0, help="draft tokens proposed per step (default: 0, off)"),
         group.add_argument(
-            "--prompt-lane", action=argparse.BooleanOptionalAction, default=True,
+            "--num-speculative-tokens", type=int, default=0, help="draft tokens proposed per step (default: 0, off)"
+        ),
+        group.add_argument(
+            "--prompt-lane",
+            action=argparse.BooleanOptionalAction,
+            default=True,
             help="colocated worker: compute prompts in batches of up to --max-num-batched-tokens, a slice of time before "
             "each decode step (so decode steps start about --step-target-ms apart), instead of in chunks inside the decode "
             "steps, which run them slower; prefill and decode workers ignore it (default: on)",
         ),
         group.add_argument(
-            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=True,
             help="keep full KV blocks keyed by their tokens and reuse them for prompts that share a prefix "
             "(a decode worker then pulls only the blocks it lacks) (default: on)",
         ),

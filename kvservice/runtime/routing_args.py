@@ -16,14 +16,19 @@ DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 0
 
 def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--routing", choices=ROUTING_POLICIES, default=DEFAULT_ROUTING,
+        "--routing",
+        choices=ROUTING_POLICIES,
+        default=DEFAULT_ROUTING,
         help="how the proxy picks workers: kv-aware (by what each worker caches, learned from its KV events: "
         "the prefill worker with the fewest uncached prompt tokens plus load, the decode worker with the fewest "
         "blocks to pull plus load; text and chat prompts need --model's tokenizer, else least-loaded), "
         f"least-loaded (fewest outstanding requests), round-robin (in turn) (default: {DEFAULT_ROUTING})",
     )
     parser.add_argument(
-        "--max-local-prefill-tokens", type=_non_negative_int, default=DEFAULT_MAX_LOCAL_PREFILL_TOKENS, metavar="N",
+        "--max-local-prefill-tokens",
+        type=_non_negative_int,
+        default=DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+        metavar="N",
         help="conditional disaggregation: when the part of a prompt the chosen decode worker does not hold "
         "(per its KV events) is at most N tokens, that decode worker prefills it itself and no prefill worker "
         "sees the request (short prompts, a conversation's next turn); 0 disables "

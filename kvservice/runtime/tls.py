@@ -93,15 +93,24 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser, *, with_auth_token: bool = True) -> None:
-    parser.add_argument("--tls-cert", default=None, metavar="PEM", help="this process's certificate chain (enables TLS; needs --tls-key)")
+    parser.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="PEM",
+        help="this process's certificate chain (enables TLS; needs --tls-key)",
+    )
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
     parser.add_argument(
-        "--tls-ca", default=None, metavar="PEM",
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
         help="CA that signs the peers: servers then require client certificates (mutual TLS), clients verify servers by it",
     )
     if with_auth_token:
         parser.add_argument(
-            "--auth-token", default=os.environ.get(AUTH_TOKEN_ENV), metavar="TOKEN",
+            "--auth-token",
+            default=os.environ.get(AUTH_TOKEN_ENV),
+            metavar="TOKEN",
             help=f"bearer token required by every RPC but health, and sent to the workers this process calls "
             f"(default: ${AUTH_TOKEN_ENV}; unset: no token)",
         )
@@ -109,7 +118,10 @@ def add_tls_arguments(parser: argparse.ArgumentParser, *, with_auth_token: bool 
 
 def add_worker_peer_names_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--worker-peer-names", nargs="+", default=None, metavar="NAME",
+        "--worker-peer-names",
+        nargs="+",
+        default=None,
+        metavar="NAME",
         help="mutual TLS: workers admit only callers whose client certificate has one of these names as its subject CN "
         "or a subject alternative name (the proxy's and the workers' identities), others get PERMISSION_DENIED; "
         "health stays open (default: any certificate --tls-ca signed)",

@@ -32,11 +32,16 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
     """
     num_rows, vocab = logits.shape
     words = bitmask_words(vocab)
-    assert bitmask.dtype == torch.int32 and bitmask.shape[0] >= num_rows and bitmask.shape[1] >= words, (bitmask.shape, logits.shape)
+    assert bitmask.dtype == torch.int32 and bitmask.shape[0] >= num_rows and bitmask.shape[1] >= words, (
+        bitmask.shape,
+        logits.shape,
+    )
     if rows is not None and len(rows) == 0:
         return
     index = None if rows is None else torch.as_tensor(rows, dtype=torch.long)
-    masks = bitmask[:num_rows, :words] if index is None else bitmask[:, :words].index_select(0, index.to(bitmask.device))
+    masks = (
+        bitmask[:num_rows, :words] if index is None else bitmask[:, :words].index_select(0, index.to(bitmask.device))
+    )
     target = logits if index is None else logits.index_select(0, index.to(logits.device))
     if target.device.type == "cpu" and target.dtype == torch.float32 and sys.byteorder == "little":
         _mask_float32(target, masks)
@@ -49,7 +54,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
 def _mask_float32(logits: torch.Tensor, masks: torch.Tensor) -> None:
     """The CPU fast path, branch-free: each logit's bits are ANDed with all-ones or zero and ORed with -inf's."""
     # [R, W] int32 -> [R, V] 0/1; little-endian words, so bit b of word w is bit b % 8 of byte 4w + b // 8.
-    allowed = np.unpackbits(masks.cpu().contiguous().numpy().view(np.uint8), axis=-1, count=logits.shape[1], bitorder="little")
+    allowed = np.unpackbits(
+        masks.cpu().contiguous().numpy().view(np.uint8), axis=-1, count=logits.shape[1], bitorder="little"
+    )
     keep = torch.from_numpy(allowed).to(torch.int32).neg_()  # -1: keep the logit, 0: replace it
     bits = logits.view(torch.int32)
     bits.bitwise_and_(keep).bitwise_or_(keep.bitwise_not_().bitwise_and_(_NEG_INF_BITS))

@@ -96,7 +96,13 @@ class GrammarCompiler:
     while it builds a grammar). A params compiled twice at once is compiled twice, harmlessly.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self._tokenizer = build_grammar_tokenizer(tokenizer, vocab_size, self.eos_token_ids)

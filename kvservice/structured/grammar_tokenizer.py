@@ -9,7 +9,9 @@ import llguidance
 from kvservice.loading.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 
-def build_grammar_tokenizer(tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
+def build_grammar_tokenizer(
+    tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: Sequence[int]
+) -> llguidance.LLTokenizer:
     """The llguidance tokenizer for `tokenizer`, with a mask of `vocab_size` bits (the model's logits width).
 
     Ids the tokenizer lacks (the model's vocabulary is often padded past it) are never allowed.
@@ -22,10 +24,14 @@ def build_grammar_tokenizer(tokenizer: Tokenizer | None, vocab_size: int, eos_to
     if isinstance(tokenizer, HFTokenizer):
         backend = tokenizer.backend
         if backend.get_vocab_size(with_added_tokens=True) > vocab_size:
-            raise ValueError(f"the tokenizer has {backend.get_vocab_size(with_added_tokens=True)} tokens, more than the model's {vocab_size}")
+            raise ValueError(
+                f"the tokenizer has {backend.get_vocab_size(with_added_tokens=True)} tokens, more than the model's {vocab_size}"
+            )
         return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
     if isinstance(tokenizer, ByteTokenizer):
-        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocabulary(vocab_size, eos)), n_vocab=vocab_size, eos_token=eos)
+        return llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_ByteVocabulary(vocab_size, eos)), n_vocab=vocab_size, eos_token=eos
+        )
     raise ValueError(f"structured output is not supported with tokenizer {type(tokenizer).__name__}")
 
 

@@ -75,8 +75,15 @@ def _executor() -> llguidance.LLExecutor:
 
 def _row_address(bitmask: torch.Tensor, row: int, mask_bytes: int) -> int:
     """The address of `bitmask[row]`, after the checks that make llguidance's raw write safe."""
-    if bitmask.device.type != "cpu" or bitmask.dim() != 2 or bitmask.element_size() != 4 or bitmask.dtype.is_floating_point:
-        raise ValueError(f"bitmask: expected an int32 [num_rows, words] CPU tensor, got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
+    if (
+        bitmask.device.type != "cpu"
+        or bitmask.dim() != 2
+        or bitmask.element_size() != 4
+        or bitmask.dtype.is_floating_point
+    ):
+        raise ValueError(
+            f"bitmask: expected an int32 [num_rows, words] CPU tensor, got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}"
+        )
     if not bitmask.is_contiguous() or bitmask.shape[1] * 4 != mask_bytes:
         raise ValueError(f"bitmask: expected {mask_bytes // 4} contiguous words per row, got {tuple(bitmask.shape)}")
     if not 0 <= row < bitmask.shape[0]:

@@ -74,7 +74,9 @@ class DecodeCycle:
     def observe(self, decode_step_s: float) -> None:
         """A decode step took `decode_step_s`."""
         smoothed = self.decode_step_s
-        self.decode_step_s = decode_step_s if smoothed is None else smoothed + self.SMOOTHING * (decode_step_s - smoothed)
+        self.decode_step_s = (
+            decode_step_s if smoothed is None else smoothed + self.SMOOTHING * (decode_step_s - smoothed)
+        )
 
     @property
     def cycle_s(self) -> float:
@@ -136,7 +138,11 @@ class CoreLease:
             self._segment_s[self._last_pause[0]] = now - self._last_pause[1]
         self._last_pause = (next_op, now)
         held_since = self._held_since
-        if held_since is None or now - held_since + self._segment_s.get(next_op, 0.0) < self.quantum_s or not self.others_wait():
+        if (
+            held_since is None
+            or now - held_since + self._segment_s.get(next_op, 0.0) < self.quantum_s
+            or not self.others_wait()
+        ):
             return
         self.num_handovers += 1
         self._asked = self._log_turn()  # the turn ends here, and the wait for the next starts

@@ -34,7 +34,12 @@ class _Proposal:
 
 class DraftProposer:
     def __init__(
-        self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int, num_speculative_tokens: int, device: torch.device
+        self,
+        model: CausalLM,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        num_speculative_tokens: int,
+        device: torch.device,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -84,8 +89,7 @@ class DraftProposer:
             if not active:
                 break
             step_items = [
-                BatchItem([p.token_ids[-1]], p.request.num_draft_computed_tokens, p.block_ids)
-                for p in active
+                BatchItem([p.token_ids[-1]], p.request.num_draft_computed_tokens, p.block_ids) for p in active
             ]
             batch = build_batch(step_items, self.block_size, self.device)
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
@@ -106,6 +110,8 @@ class DraftProposer:
             probs = target_probs(row[None], params)[0]
             # The draft's own stream: its draws never reuse the target's (rejection sampling needs them independent).
             position = p.request.num_output_tokens + len(p.token_ids)
-            token = torch.multinomial(probs, 1, generator=sampler.generator_for(p.request.request_id, params, position, stream=1))
+            token = torch.multinomial(
+                probs, 1, generator=sampler.generator_for(p.request.request_id, params, position, stream=1)
+            )
             p.token_ids.append(int(token))
             p.probs.append(probs)

@@ -55,7 +55,9 @@ class GrammarMasks:
             output = request.output_token_ids
             for token_id in output[following.num_accepted :]:
                 if not following.matcher.accept_token(token_id):
-                    errors[request.request_id] = f"structured output: token {token_id} is outside the grammar ({following.matcher.error})"
+                    errors[request.request_id] = (
+                        f"structured output: token {token_id} is outside the grammar ({following.matcher.error})"
+                    )
                     break
             following.num_accepted = len(output)
             if request.request_id not in errors:

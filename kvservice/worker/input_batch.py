@@ -66,7 +66,9 @@ def build_batch(items: list[BatchItem], block_size: int, device: torch.device) -
         starts = torch.tensor([items[i].start for i in group])
         max_len = int(starts.max()) + group_q
         max_blocks = cdiv(max_len, bs)
-        decode_table = torch.tensor([(items[i].block_ids + [0] * max_blocks)[:max_blocks] for i in group], dtype=torch.long)
+        decode_table = torch.tensor(
+            [(items[i].block_ids + [0] * max_blocks)[:max_blocks] for i in group], dtype=torch.long
+        )
         decode_starts = starts
         decode_slots = (decode_table[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :max_len]  # [B, L]
         # Query q of request b sits at position start_b + q and sees keys at positions <= it.

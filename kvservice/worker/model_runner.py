@@ -91,7 +91,11 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         items = [
             BatchItem(
-                s.request.all_token_ids[s.request.num_computed_tokens : s.request.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)]
+                s.request.all_token_ids[
+                    s.request.num_computed_tokens : s.request.num_computed_tokens
+                    + s.num_new_tokens
+                    - len(s.spec_token_ids)
+                ]
                 + s.spec_token_ids,
                 s.request.num_computed_tokens,
                 s.block_ids,
@@ -100,15 +104,23 @@ class ModelRunner:
         ]
         batch = build_batch(items, self.block_size, self.device)
         draft_overlaps_save = self.drafter is not None and not eager_finalize
-        with maybe_get_kv_connector_output(self.connector, scheduler_output, defer_finalize or draft_overlaps_save) as kv_output:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, self.connector, self.pause)
+        with maybe_get_kv_connector_output(
+            self.connector, scheduler_output, defer_finalize or draft_overlaps_save
+        ) as kv_output:
+            hidden = self.model(
+                batch.input_ids, batch.positions, self.kv_caches, batch.attn, self.connector, self.pause
+            )
         sampled, logits, errors = self._sample(scheduled, batch, hidden)
         if self.drafter is not None:
             self.drafter.propose(scheduled, sampled, self.sampler)
             if draft_overlaps_save and not defer_finalize:
                 self.finalize()
         return ModelRunnerOutput(
-            sampled, kv_output, self._sampled_logprobs(scheduled, sampled, logits), self._prompt_logprobs(scheduled, batch, hidden), errors
+            sampled,
+            kv_output,
+            self._sampled_logprobs(scheduled, sampled, logits),
+            self._prompt_logprobs(scheduled, batch, hidden),
+            errors,
         )
 
     def finalize(self) -> None:
@@ -158,7 +170,11 @@ class ModelRunner:
                 draft_probs = draft_probs[: len(s.spec_token_ids)]
             target_logits = logits[offsets[n] : offsets[n] + 1 + len(s.spec_token_ids)]
             sampled[request.request_id] = verify_draft_tokens(
-                target_logits, s.spec_token_ids, draft_probs, params, self.sampler.generator_for(request.request_id, params, request.num_output_tokens)
+                target_logits,
+                s.spec_token_ids,
+                draft_probs,
+                params,
+                self.sampler.generator_for(request.request_id, params, request.num_output_tokens),
             )
         wanted = {
             s.request.request_id: logits[offsets[n] : offsets[n] + len(sampled[s.request.request_id])]

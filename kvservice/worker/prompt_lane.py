@@ -57,7 +57,9 @@ class PromptLane:
     """Prompts queue (`add`), run in batches of up to `max_tokens` tokens (`run`), and are
     reported once their KV is in the cache (`take_finished`)."""
 
-    def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int, device: torch.device, max_tokens: int) -> None:
+    def __init__(
+        self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int, device: torch.device, max_tokens: int
+    ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
@@ -131,7 +133,9 @@ class PromptLane:
         while self._queue and num_tokens + len(self._queue[0].token_ids) <= self.max_tokens:
             num_tokens += len(self._queue[0].token_ids)
             batch.append(self._queue.popleft())
-        inputs = build_batch([BatchItem(p.token_ids, p.start, p.block_ids) for p in batch], self.block_size, self.device)
+        inputs = build_batch(
+            [BatchItem(p.token_ids, p.start, p.block_ids) for p in batch], self.block_size, self.device
+        )
         self._batch = batch
         self._steps = self.model.forward_steps(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         self._next_op = "start"  # embedding and the first attention, up to the first pause point
@@ -166,7 +170,9 @@ class PromptLaneConnector(KVConnectorBase):
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         start = request.num_computed_tokens
         self._new.append(
-            LanePrompt(request.request_id, request.all_token_ids[start : start + num_external_tokens], start, list(block_ids))
+            LanePrompt(
+                request.request_id, request.all_token_ids[start : start + num_external_tokens], start, list(block_ids)
+            )
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PromptLaneMetadata:

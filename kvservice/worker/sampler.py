@@ -57,7 +57,9 @@ class Sampler:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams], positions: list[int]) -> list[int]:
+    def sample(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams], positions: list[int]
+    ) -> list[int]:
         """logits: [N, V] float32, one row per request id; `positions`: each row's output
         token index (how many tokens the request has emitted so far)."""
         if all(p.is_greedy for p in params):

@@ -84,7 +84,9 @@ class _Stream:
 class DecodeStreams:
     """The proxy's DecodeStream to one decode worker (opened on demand), and its requests."""
 
-    def __init__(self, stub: pb_grpc.WorkerStub, metadata: tuple[tuple[str, str], ...] | None, address: str = "") -> None:
+    def __init__(
+        self, stub: pb_grpc.WorkerStub, metadata: tuple[tuple[str, str], ...] | None, address: str = ""
+    ) -> None:
         self._stub, self._metadata, self.address = stub, metadata, address
         self._stream: _Stream | None = None
         self.is_supported: bool | None = None  # None until the worker has answered on a stream
@@ -155,7 +157,10 @@ class DecodeStreams:
             elif e.code() in _KEPT_CODES:
                 ending = e
             else:  # the requests lost their worker, whatever broke the stream (a write racing its end fails INTERNAL)
-                ending = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the decode stream to {self.address} broke: {e.code().name}: {e.details()}")
+                ending = rpc_error(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the decode stream to {self.address} broke: {e.code().name}: {e.details()}",
+                )
         except asyncio.CancelledError:
             ending = rpc_error(grpc.StatusCode.CANCELLED, "the proxy closed the decode stream")
             raise

@@ -56,8 +56,13 @@ def _address(ip: str, port: int) -> str:
 class Discovery:
     """Keeps `pool`'s discovered members equal to what `names` resolve to (static members stay)."""
 
-    def __init__(self, pool: WorkerPool, names: list[DNSName], interval: float = DEFAULT_DISCOVERY_INTERVAL_S,
-                 resolver: Resolver = resolve) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        names: list[DNSName],
+        interval: float = DEFAULT_DISCOVERY_INTERVAL_S,
+        resolver: Resolver = resolve,
+    ) -> None:
         if not interval > 0:
             raise ValueError(f"--discovery-interval must be > 0, got {interval}")
         self.pool = pool
@@ -73,7 +78,9 @@ class Discovery:
             try:
                 self._last[name] = await self.resolver(name)
             except OSError as e:
-                logger.warning("discovery: %s did not resolve (%s); keeping its %d workers", name, e, len(self._last.get(name, ())))
+                logger.warning(
+                    "discovery: %s did not resolve (%s); keeping its %d workers", name, e, len(self._last.get(name, ()))
+                )
         found = set().union(*self._last.values()) - self._static
         current = {w.address: w for w in self.pool.workers}
         for address in sorted(found - current.keys()):

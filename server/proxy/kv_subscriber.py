@@ -70,8 +70,12 @@ class KVEventSubscriptions:
         try:
             async for batch in call:
                 if not worker.kv_index.apply(batch):
-                    logger.info("KV events of %s: batch %d after %d, resubscribing for a snapshot",
-                                worker.address, batch.seq, worker.kv_index.last_seq)
+                    logger.info(
+                        "KV events of %s: batch %d after %d, resubscribing for a snapshot",
+                        worker.address,
+                        batch.seq,
+                        worker.kv_index.last_seq,
+                    )
                     return num_applied, True
                 num_applied += 1
             logger.info("KV events of %s: the stream ended; resubscribing", worker.address)

@@ -30,7 +30,9 @@ class PromptTokens:
             return list(request.token_ids.ids)
         if self.tokenizer is None:
             if not self._has_warned:
-                logger.warning("text and chat prompts are routed by load only: start the proxy with --model to route them by cache")
+                logger.warning(
+                    "text and chat prompts are routed by load only: start the proxy with --model to route them by cache"
+                )
                 self._has_warned = True
             return None
         try:

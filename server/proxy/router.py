@@ -49,7 +49,10 @@ class Route:
 
 class Router:
     def __init__(
-        self, prefill: WorkerPool, decode: WorkerPool, policy: str = DEFAULT_ROUTING,
+        self,
+        prefill: WorkerPool,
+        decode: WorkerPool,
+        policy: str = DEFAULT_ROUTING,
         max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
     ) -> None:
         if policy not in ROUTING_POLICIES:
@@ -67,8 +70,12 @@ class Router:
         """Whether any decision reads the workers' cache indexes (subscribe to their events)."""
         return self.policy == "kv-aware" or self.max_local_prefill_tokens > 0
 
-    def route(self, token_ids: Sequence[int] | None, exclude_decode: frozenset[str] | set[str] = frozenset(),
-              use_prefill: bool = True) -> Route:
+    def route(
+        self,
+        token_ids: Sequence[int] | None,
+        exclude_decode: frozenset[str] | set[str] = frozenset(),
+        use_prefill: bool = True,
+    ) -> Route:
         """The workers for a prompt (`token_ids`, None when unknown); `use_prefill=False`: the
         decode worker prefills (a retry). Raises NoWorkerAvailable without a healthy decode worker."""
         decoders = [w for w in self.decode.healthy if w.address not in exclude_decode]
@@ -91,15 +98,26 @@ class Router:
             return len(token_ids) - cached_tokens(worker) + PREFILL_LOAD_TOKENS * worker.num_outstanding
 
         decode = self._pick(self.decode, decoders, token_ids, pull_cost)
-        num_uncached = len(token_ids) - cached_tokens(decode) if token_ids is not None and self.needs_kv_events else None
-        if num_uncached is not None and 0 < self.max_local_prefill_tokens and num_uncached <= self.max_local_prefill_tokens:
+        num_uncached = (
+            len(token_ids) - cached_tokens(decode) if token_ids is not None and self.needs_kv_events else None
+        )
+        if (
+            num_uncached is not None
+            and 0 < self.max_local_prefill_tokens
+            and num_uncached <= self.max_local_prefill_tokens
+        ):
             return Route(decode, None, num_uncached)
         prefillers = self.prefill.healthy if use_prefill else []
         prefill = self._pick(self.prefill, prefillers, token_ids, prefill_cost) if prefillers else None
         return Route(decode, prefill, num_uncached)
 
-    def _pick(self, pool: WorkerPool, candidates: list[WorkerHandle], token_ids: Sequence[int] | None,
-              kv_cost: Callable[[WorkerHandle], int]) -> WorkerHandle:
+    def _pick(
+        self,
+        pool: WorkerPool,
+        candidates: list[WorkerHandle],
+        token_ids: Sequence[int] | None,
+        kv_cost: Callable[[WorkerHandle], int],
+    ) -> WorkerHandle:
         start = next(self._turns[id(pool)]) % len(candidates)
         in_turn = candidates[start:] + candidates[:start]
         if self.policy == "round-robin":

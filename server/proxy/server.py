@@ -39,36 +39,79 @@ MIN_HEALTH_CHECK_TIMEOUT_S = 2.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill", nargs="*", default=[], metavar="HOST:PORT", help="prefill workers (none: decode workers prefill themselves)")
-    parser.add_argument("--decode", nargs="*", default=[], metavar="HOST:PORT", help="decode workers (this, --decode-dns, or both)")
     parser.add_argument(
-        "--prefill-dns", action="append", default=[], metavar="NAME:PORT",
+        "--prefill",
+        nargs="*",
+        default=[],
+        metavar="HOST:PORT",
+        help="prefill workers (none: decode workers prefill themselves)",
+    )
+    parser.add_argument(
+        "--decode", nargs="*", default=[], metavar="HOST:PORT", help="decode workers (this, --decode-dns, or both)"
+    )
+    parser.add_argument(
+        "--prefill-dns",
+        action="append",
+        default=[],
+        metavar="NAME:PORT",
         help="prefill workers by DNS: every A/AAAA record of NAME is one worker on PORT (a Kubernetes headless Service, "
         "compose --scale, Swarm tasks.NAME); repeatable, beside --prefill",
     )
-    parser.add_argument("--decode-dns", action="append", default=[], metavar="NAME:PORT", help="decode workers by DNS, as --prefill-dns")
     parser.add_argument(
-        "--discovery-interval", type=float, default=DEFAULT_DISCOVERY_INTERVAL_S,
+        "--decode-dns", action="append", default=[], metavar="NAME:PORT", help="decode workers by DNS, as --prefill-dns"
+    )
+    parser.add_argument(
+        "--discovery-interval",
+        type=float,
+        default=DEFAULT_DISCOVERY_INTERVAL_S,
         help=f"seconds between DNS lookups of --prefill-dns/--decode-dns (default: {DEFAULT_DISCOVERY_INTERVAL_S:g}); a new address "
         "joins once SERVING with its KV-event snapshot, a vanished one finishes its requests and is dropped",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 lets the OS pick (default: 0)")
-    parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between worker health checks (default: 1)")
-    parser.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default: 30)")
-    parser.add_argument("--http-port", type=int, default=None, help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/models, /health) on this port; 0 lets the OS pick (default: off)")
-    parser.add_argument("--served-model-name", default=None, help="the model name the HTTP API answers to (default: --model's own name, else 'kvservice')")
-    parser.add_argument("--model", default=None, help="the workers' model (tiny, smollm2, a directory or a GGUF file): the proxy loads its tokenizer only, to route text and chat prompts by cache (--routing kv-aware) and for /tokenize and /detokenize, and its name and length for /v1/models (default: none)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="the maximum length /v1/models reports (default: the model's)")
-    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 lets the OS pick (default: off)")
     parser.add_argument(
-        "--migration-limit", type=int, default=DEFAULT_MIGRATION_LIMIT,
+        "--health-interval", type=float, default=1.0, help="seconds between worker health checks (default: 1)"
+    )
+    parser.add_argument(
+        "--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default: 30)"
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/models, /health) on this port; 0 lets the OS pick (default: off)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name the HTTP API answers to (default: --model's own name, else 'kvservice')",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="the workers' model (tiny, smollm2, a directory or a GGUF file): the proxy loads its tokenizer only, to route text and chat prompts by cache (--routing kv-aware) and for /tokenize and /detokenize, and its name and length for /v1/models (default: none)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="the maximum length /v1/models reports (default: the model's)"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 lets the OS pick (default: off)",
+    )
+    parser.add_argument(
+        "--migration-limit",
+        type=int,
+        default=DEFAULT_MIGRATION_LIMIT,
         help="times one request may move to another decode worker when its decode worker dies or its stream breaks: "
         "the prompt plus the tokens already streamed are resent, and the client's stream goes on "
         f"(default: {DEFAULT_MIGRATION_LIMIT}; 0: fail such requests with UNAVAILABLE)",
     )
     parser.add_argument(
-        "--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+        "--request-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
         help=f"deadline of one request's calls to its workers, whole stream included, seconds (default: {DEFAULT_REQUEST_TIMEOUT_S:g})",
     )
     add_routing_arguments(parser)
@@ -118,7 +161,12 @@ async def serve(args: argparse.Namespace) -> int:
     _export_membership(metrics, prefill, decode)
     router = Router(prefill, decode, args.routing, args.max_local_prefill_tokens)
     service = ProxyService(
-        prefill, decode, metrics, migration_limit=args.migration_limit, request_timeout=args.request_timeout, router=router,
+        prefill,
+        decode,
+        metrics,
+        migration_limit=args.migration_limit,
+        request_timeout=args.request_timeout,
+        router=router,
         tokenizer=tokenizer,
     )
     # Each worker's cache index, from its KV events: only kv-aware routing and local prefill read it.
@@ -126,7 +174,8 @@ async def serve(args: argparse.Namespace) -> int:
     subscriptions = KVEventSubscriptions([])
     discoveries = [
         Discovery(pool, [DNSName.parse(n) for n in names], args.discovery_interval)
-        for pool, names in ((prefill, args.prefill_dns), (decode, args.decode_dns)) if names
+        for pool, names in ((prefill, args.prefill_dns), (decode, args.decode_dns))
+        if names
     ]
     interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
     server = GrpcServer([SERVICE_NAMES["generation"]], tls.server_credentials(), interceptors)
@@ -146,7 +195,11 @@ async def serve(args: argparse.Namespace) -> int:
             app = front.app()
             app.router.add_get("/metrics", metrics_handler(metrics, None))
             runner, http_port = await start_http(
-                app, args.host, args.http_port, shutdown_timeout=args.grace_period, ssl_context=tls.ssl_context(),
+                app,
+                args.host,
+                args.http_port,
+                shutdown_timeout=args.grace_period,
+                ssl_context=tls.ssl_context(),
                 handler_cancellation=True,  # a client that hangs up aborts its request on both workers
             )
             runners.append(runner)
@@ -208,8 +261,14 @@ async def _monitor(server: GrpcServer, prefill: WorkerPool, decode: WorkerPool, 
         is_serving = decode.num_healthy > 0
         if is_serving != was_serving:
             await server.set_serving(is_serving)
-            logger.info("proxy %s (%d/%d prefill, %d/%d decode healthy)", "serving" if is_serving else "not serving",
-                        prefill.num_healthy, len(prefill.workers), decode.num_healthy, len(decode.workers))
+            logger.info(
+                "proxy %s (%d/%d prefill, %d/%d decode healthy)",
+                "serving" if is_serving else "not serving",
+                prefill.num_healthy,
+                len(prefill.workers),
+                decode.num_healthy,
+                len(decode.workers),
+            )
             was_serving = is_serving
         await asyncio.sleep(interval)  # polling period of the health monitor
 
@@ -223,4 +282,6 @@ def _export_membership(metrics: ServerMetrics, *pools: WorkerPool) -> None:
         metrics.worker_joins.labels(pool.role).set_function(lambda pool=pool: pool.num_joins)
         metrics.worker_leaves.labels(pool.role).set_function(lambda pool=pool: pool.num_leaves)
         for state in WORKER_STATES:
-            metrics.workers.labels(pool.role, state).set_function(lambda pool=pool, state=state: pool.num_in_state()[state])
+            metrics.workers.labels(pool.role, state).set_function(
+                lambda pool=pool, state=state: pool.num_in_state()[state]
+            )

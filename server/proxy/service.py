@@ -106,7 +106,9 @@ class ProxyService(StreamingGenerationService):
             if self._num_in_flight == 0:
                 self._idle.set()
 
-    async def _tracked_responses(self, request: pb.GenerateRequest, inner: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def _tracked_responses(
+        self, request: pb.GenerateRequest, inner: pb.GenerateRequest
+    ) -> AsyncIterator[pb.GenerateResponse]:
         with self.metrics.track(inner.request_id, logger) as tracker:
             if request.WhichOneof("prompt") is None:
                 raise ValueError("prompt: set one of text, token_ids or chat")
@@ -124,16 +126,25 @@ class ProxyService(StreamingGenerationService):
                 except DecodeWorkerLost as lost:
                     num_migrations = len(failed_decoders)
                     if num_migrations >= self.migration_limit or _num_sequences(inner) > 1:
-                        why = (f"--migration-limit {self.migration_limit} allows no further migration"
-                               if num_migrations >= self.migration_limit else "a request with n > 1 does not migrate")
+                        why = (
+                            f"--migration-limit {self.migration_limit} allows no further migration"
+                            if num_migrations >= self.migration_limit
+                            else "a request with n > 1 does not migrate"
+                        )
                         raise StreamLost(
                             f"decode worker {lost.address} was lost after {len(streamed)} tokens "
                             f"({lost.error.code().name}: {lost.error.details()}); {why}"
                         ) from None
                     failed_decoders.add(lost.address)
                     attempt = _resumed(inner, streamed)
-                    logger.warning("request_id=%s: decode worker %s lost after %d tokens; migrating (%d of at most %d)",
-                                   inner.request_id, lost.address, len(streamed), num_migrations + 1, self.migration_limit)
+                    logger.warning(
+                        "request_id=%s: decode worker %s lost after %d tokens; migrating (%d of at most %d)",
+                        inner.request_id,
+                        lost.address,
+                        len(streamed),
+                        num_migrations + 1,
+                        self.migration_limit,
+                    )
 
     async def _route(
         self, inner: pb.GenerateRequest, token_ids: list[int] | None, failed_decoders: set[str]
@@ -143,9 +154,13 @@ class ProxyService(StreamingGenerationService):
         where it has them); the first attempt's transfer went to the lost worker."""
         route = self.router.route(token_ids, exclude_decode=failed_decoders, use_prefill=not failed_decoders)
         decode_worker, prefill_worker = route.decode, route.prefill
-        logger.info("request_id=%s routed: prefill=%s decode=%s (uncached there: %s tokens)", inner.request_id,
-                    prefill_worker.address if prefill_worker is not None else "none", decode_worker.address,
-                    route.num_uncached_tokens if route.num_uncached_tokens is not None else "?")
+        logger.info(
+            "request_id=%s routed: prefill=%s decode=%s (uncached there: %s tokens)",
+            inner.request_id,
+            prefill_worker.address if prefill_worker is not None else "none",
+            decode_worker.address,
+            route.num_uncached_tokens if route.num_uncached_tokens is not None else "?",
+        )
         with self.decode.using(decode_worker):
             if prefill_worker is None:
                 async for response in self._decode_only(decode_worker, inner):
@@ -155,7 +170,9 @@ class ProxyService(StreamingGenerationService):
                 async for response in self._disaggregated(prefill_worker, decode_worker, inner):
                     yield response
 
-    async def _decode_only(self, decode_worker: WorkerHandle, inner: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def _decode_only(
+        self, decode_worker: WorkerHandle, inner: pb.GenerateRequest
+    ) -> AsyncIterator[pb.GenerateResponse]:
         call = decode_worker.decode_streams.open(pb.DecodeRequest(request=inner), self.request_timeout)
         try:
             is_counted = False
@@ -206,7 +223,11 @@ class ProxyService(StreamingGenerationService):
             if not prefill.done():
                 # Left running (cancelled only if still pending when the request ends): cancelling
                 # a prefill that is about to return would fail a transfer the decode worker holds.
-                logger.info("request %s: the decode worker answered before the prefill on %s", inner.request_id, prefill_worker.address)
+                logger.info(
+                    "request %s: the decode worker answered before the prefill on %s",
+                    inner.request_id,
+                    prefill_worker.address,
+                )
             else:
                 try:
                     first = prefill.result()
@@ -215,7 +236,12 @@ class ProxyService(StreamingGenerationService):
                         raise
                     # The decode worker's pull fails too, and it recomputes: keep streaming from it.
                     self._note_failure(self.prefill, prefill_worker, e)
-                    logger.warning("request %s: prefill on %s failed (%s); the decode worker recomputes", inner.request_id, prefill_worker.address, e.code().name)
+                    logger.warning(
+                        "request %s: prefill on %s failed (%s); the decode worker recomputes",
+                        inner.request_id,
+                        prefill_worker.address,
+                        e.code().name,
+                    )
             # A prefill still running counts as its own: the decode worker answered first, normally with
             # the pulled KV. Counted with the first token out (a request the workers refuse is no prefill).
             where: str | None = "prefill_worker" if first is not None or not prefill.done() else "decode_worker"

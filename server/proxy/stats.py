@@ -18,18 +18,26 @@ from kvservice.server.proxy.worker_pool import WorkerHandle, WorkerPool
 from kvservice.v1 import kvservice_pb2 as pb
 
 WORKER_STATS_TIMEOUT_S = 2.0  # at most, for each worker's Stats
-_TRANSFER_FIELDS = tuple(field.name for field in pb.KVTransferStats.DESCRIPTOR.fields)  # all counters and gauges: summed
+_TRANSFER_FIELDS = tuple(
+    field.name for field in pb.KVTransferStats.DESCRIPTOR.fields
+)  # all counters and gauges: summed
 
 
 async def cluster_stats(prefill: WorkerPool, decode: WorkerPool, time_remaining: float | None) -> pb.StatsResponse:
     """Each member's entry (the proxy's view of it, and its own Stats when it answers in time),
     and the sums; `time_remaining`: the caller's seconds left (None: no deadline)."""
-    timeout = WORKER_STATS_TIMEOUT_S if time_remaining is None else max(0.1, min(WORKER_STATS_TIMEOUT_S, time_remaining / 2))
+    timeout = (
+        WORKER_STATS_TIMEOUT_S if time_remaining is None else max(0.1, min(WORKER_STATS_TIMEOUT_S, time_remaining / 2))
+    )
 
     async def one(worker: WorkerHandle, role: str) -> pb.WorkerStats:
         entry = pb.WorkerStats(
-            address=worker.address, num_outstanding=worker.num_outstanding, is_healthy=worker.is_healthy,
-            num_indexed_blocks=len(worker.kv_index.block_hashes), state=worker.state, role=role,
+            address=worker.address,
+            num_outstanding=worker.num_outstanding,
+            is_healthy=worker.is_healthy,
+            num_indexed_blocks=len(worker.kv_index.block_hashes),
+            state=worker.state,
+            role=role,
         )
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.TimeoutError):
             call = worker.stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=worker.metadata)

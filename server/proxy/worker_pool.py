@@ -90,7 +90,10 @@ class WorkerPool:
     """Workers of one role: the static ones given at start, plus what discovery adds."""
 
     def __init__(
-        self, addresses: list[str], credentials: grpc.ChannelCredentials | None = None, auth_token: str | None = None,
+        self,
+        addresses: list[str],
+        credentials: grpc.ChannelCredentials | None = None,
+        auth_token: str | None = None,
         role: str = "",
     ) -> None:
         self.role = role
@@ -111,7 +114,11 @@ class WorkerPool:
         else:
             channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         return WorkerHandle(
-            address, channel, pb_grpc.WorkerStub(channel), health_pb2_grpc.HealthStub(channel), self._metadata,
+            address,
+            channel,
+            pb_grpc.WorkerStub(channel),
+            health_pb2_grpc.HealthStub(channel),
+            self._metadata,
             has_joined=has_joined,
         )
 
@@ -173,7 +180,12 @@ class WorkerPool:
         """Gone from DNS: no new requests; dropped once its in-flight requests end."""
         if not worker.is_leaving:
             worker.is_leaving = True
-            logger.info("%s worker %s left DNS: leaving after %d in-flight requests", self.role or "a", worker.address, worker.num_outstanding)
+            logger.info(
+                "%s worker %s left DNS: leaving after %d in-flight requests",
+                self.role or "a",
+                worker.address,
+                worker.num_outstanding,
+            )
 
     def readmit(self, worker: WorkerHandle) -> None:
         """Back in DNS before it was dropped: it may take requests again."""
