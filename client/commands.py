@@ -134,6 +134,8 @@ async def _stats(args: argparse.Namespace) -> int:
         print(json.dumps(data))
         return 0
     print(f"role: {data['role']}")
+    if data["compute_path"]:
+        print(f"  {'compute_path':<28} {data['compute_path']}")
     for key in (
         "num_blocks_total",
         "num_blocks_free",
@@ -149,10 +151,13 @@ async def _stats(args: argparse.Namespace) -> int:
     print(f"  prefix_cache: {_hit_rate(stats.prefix_cache)}")
     for worker, entry in zip(data.get("workers", []), stats.workers):
         s = worker.get("stats", {})
+        role = s.get("role") or worker.get("role") or "?"
         print(
-            f"  worker {worker['address']} ({s.get('role') or worker.get('role') or '?'}, {worker.get('state') or '?'}, "
+            f"  worker {worker['address']} ({role}, {worker.get('state') or '?'}, "
             f"healthy={worker['is_healthy']}, outstanding={worker['num_outstanding']}): "
-            f"blocks free {s.get('num_blocks_free', 0)}/{s.get('num_blocks_total', 0)}, prefix cache {_hit_rate(entry.stats.prefix_cache)}, "
+            f"{entry.stats.compute_path or 'compute path unknown'}, "
+            f"blocks free {s.get('num_blocks_free', 0)}/{s.get('num_blocks_total', 0)}, "
+            f"prefix cache {_hit_rate(entry.stats.prefix_cache)}, "
             f"indexed by the proxy {entry.num_indexed_blocks} blocks"
         )
     return 0

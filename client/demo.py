@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="smollm2",
-        help="'smollm2' (SmolLM2-135M-Instruct, installed by make setup), 'tiny', a model directory or a GGUF file (default: smollm2)",
+        help="'smollm2' (SmolLM2-135M-Instruct, installed by make setup), 'tiny', a model directory or a GGUF file "
+        "(default: smollm2)",
     )
     parser.add_argument("--max-tokens", type=int, default=96, help="most tokens per answer (default: 96)")
     parser.add_argument(

@@ -73,7 +73,8 @@ BENCHMARKS: dict[str, Command] = {
     ),
     "local-prefill": Command(
         "kvservice.client.bench.local_prefill",
-        "decode-worker (local) vs disaggregated prefill of uncached prompt tails: the --max-local-prefill-tokens crossover",
+        "decode-worker (local) vs disaggregated prefill of uncached prompt tails: "
+        "the --max-local-prefill-tokens crossover",
     ),
     "transfer": Command(
         "kvservice.client.bench.transfer", "KV transfer over gRPC PullKV vs raw TCP, tensor to tensor across processes"
@@ -84,7 +85,8 @@ BENCHMARKS: dict[str, Command] = {
     ),
     "peers": Command(
         "kvservice.client.bench.peers",
-        "kvservice (colocated, 1P1D) vs llama.cpp and vLLM on SmolLM2: same workload at concurrency 1 and 16, one ratio table",
+        "kvservice (colocated, 1P1D) vs llama.cpp and vLLM on SmolLM2: "
+        "same workload at concurrency 1 and 16, one ratio table",
     ),
     "engine": Command(
         "kvservice.client.bench.engine",
@@ -110,7 +112,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser; with `command`, only that subcommand's module is imported."""
     parser = argparse.ArgumentParser(
         prog="kvservice",
-        description="Disaggregated prefill/decode LLM serving: prefill workers stream the KV cache over gRPC to decode workers.",
+        description="Disaggregated prefill/decode LLM serving: "
+        "prefill workers stream the KV cache over gRPC to decode workers.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, spec in COMMANDS.items():

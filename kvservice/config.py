@@ -164,7 +164,7 @@ def _gguf_rope_scaling(metadata: Mapping[str, Any], arch: str) -> dict[str, Any]
 
 
 # A step's time grows with its prompt tokens and every decoding request waits for it. SmolLM2
-# on 2 cores, 17 requests decoding (scripts: see README's benchmark section): a step takes
+# on 2 cores, 17 requests decoding (scripts: see docs/scheduling.md): a step takes
 # 50 ms alone, 84 / 111 / 137 / 207 / 307 ms with 32 / 48 / 64 / 128 / 256 prompt tokens.
 # 64 keeps the inter-token latency under load below vLLM's p99 (~190 ms at concurrency 16).
 DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE = 64
@@ -229,22 +229,7 @@ class EngineConfig:
         return (self.step_target_ms or DEFAULT_STEP_TARGET_MS) / 1000
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ValueError(f"num_blocks must be > 0, got {self.num_blocks}")
-        if self.kv_cache_memory_bytes <= 0:
-            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
-        if self.max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens <= 0:
-            raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
-        if self.step_target_ms is not None and not self.step_target_ms > 0:
-            raise ValueError(f"step_target_ms must be > 0, got {self.step_target_ms}")
-        if self.max_prefill_tokens_with_decode is not None and self.max_prefill_tokens_with_decode <= 0:
-            raise ValueError(f"max_prefill_tokens_with_decode must be > 0, got {self.max_prefill_tokens_with_decode}")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+        self._check_sizes()
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -258,3 +243,24 @@ class EngineConfig:
                 f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "
                 f"got {self.kv_load_failure_policy!r}"
             )
+
+    def _check_sizes(self) -> None:
+        """Cache geometry and batching limits: a power-of-two block size, every other size > 0 where set."""
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        _check_positive(
+            num_blocks=self.num_blocks,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            step_target_ms=self.step_target_ms,
+            max_prefill_tokens_with_decode=self.max_prefill_tokens_with_decode,
+            max_model_len=self.max_model_len,
+        )
+
+
+def _check_positive(**values: float | None) -> None:
+    """ValueError naming the first of `values` that is set (not None) and not > 0."""
+    for name, value in values.items():
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")

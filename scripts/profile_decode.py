@@ -73,7 +73,10 @@ def main() -> None:
     timed(engine_module.LLMEngine, "_to_request_output", "detokenize + outputs")
     for i in range(args.batch):
         engine.add_request(list(range(100 + i, 100 + i + args.prompt_len)), params)
-    while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
+    while (
+        any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.core.scheduler.running)
+        or engine.core.scheduler.waiting
+    ):
         engine.step()  # the prompts
     for _ in range(4):
         engine.step()
@@ -90,7 +93,8 @@ def main() -> None:
     kernels = sum(t for k, t in ops.items() if k.startswith(("kvservice::", "aten::", "mkldnn::")))
     per_step = lambda seconds: f"{1000 * seconds / args.steps:7.2f} ms"  # noqa: E731
     print(
-        f"SmolLM2, batch {args.batch}, {args.threads} threads, {args.steps} decode steps after a {args.prompt_len}-token prompt"
+        f"SmolLM2, batch {args.batch}, {args.threads} threads, "
+        f"{args.steps} decode steps after a {args.prompt_len}-token prompt"
     )
     print(f"  {'engine.step (wall)':<34} {per_step(wall)}")
     forward = totals["model forward"]

@@ -187,11 +187,34 @@ class Accounting:
 def account(switches: list[Switch], compute: set[int]) -> Accounting:
     """Sum a trace's switches; `compute`: the compute threads. Time before a thread's first
     switch is not counted (its state then is unknown)."""
+    on_cpu, off_cpu = _thread_times(switches)
+    idle = _idle_times(switches, compute)
+    window = switches[-1].time - switches[0].time if switches else 0.0
+    return Accounting(window, len({s.cpu for s in switches}), on_cpu, off_cpu, idle)
+
+
+def _thread_times(
+    switches: list[Switch],
+) -> tuple[collections.Counter[int], collections.Counter[tuple[int, str]]]:
+    """Each thread's time on a CPU, and its time off it by cause."""
     on_cpu: collections.Counter[int] = collections.Counter()
     off_cpu: collections.Counter[tuple[int, str]] = collections.Counter()
-    idle: collections.Counter[str] = collections.Counter()
     since: dict[int, float] = {}  # thread -> when it went on (or off) its CPU
     away: dict[int, str] = {}  # thread -> why it is off CPU
+    for s in switches:
+        if s.prev in since and s.prev not in away:
+            on_cpu[s.prev] += s.time - since[s.prev]
+        if s.next in away:
+            off_cpu[(s.next, away.pop(s.next))] += s.time - since[s.next]
+        since[s.prev] = since[s.next] = s.time
+        if s.prev != 0:
+            away[s.prev] = off_cpu_cause(s)
+    return on_cpu, off_cpu
+
+
+def _idle_times(switches: list[Switch], compute: set[int]) -> collections.Counter[str]:
+    """Idle CPU time, by what the compute threads did meanwhile."""
+    idle: collections.Counter[str] = collections.Counter()
     state: dict[int, str] = {}  # compute thread -> "running", "preempted" or "sleeping"
     idle_since: dict[int, float] = {}  # idle CPU -> since when (or since the compute threads last changed)
 
@@ -206,21 +229,13 @@ def account(switches: list[Switch], compute: set[int]) -> Accounting:
         for start in idle_since.values():
             idle[label] += s.time - start
         idle_since = {cpu: s.time for cpu in idle_since if cpu != s.cpu}
-        if s.prev in since and s.prev not in away:
-            on_cpu[s.prev] += s.time - since[s.prev]
-        if s.next in away:
-            off_cpu[(s.next, away.pop(s.next))] += s.time - since[s.next]
-        since[s.prev] = since[s.next] = s.time
-        if s.prev != 0:
-            away[s.prev] = off_cpu_cause(s)
         if s.prev in compute:
             state[s.prev] = "preempted" if s.prev_state.startswith("R") else "sleeping"
         if s.next in compute:
             state[s.next] = "running"
         if s.next == 0:
             idle_since[s.cpu] = s.time
-    window = switches[-1].time - switches[0].time if switches else 0.0
-    return Accounting(window, len({s.cpu for s in switches}), on_cpu, off_cpu, idle)
+    return idle
 
 
 def report(switches: list[Switch], labels: dict[int, str]) -> None:
@@ -229,7 +244,8 @@ def report(switches: list[Switch], labels: dict[int, str]) -> None:
     compute = {tid for tid, label in labels.items() if label.split("/", 1)[1] in COMPUTE_THREADS}
     totals = account(switches, compute)
     print(
-        f"{totals.window:.2f} s on {totals.num_cpus} CPUs: {totals.window * totals.num_cpus:.2f} CPU-s\n\non CPU, by process and thread:"
+        f"{totals.window:.2f} s on {totals.num_cpus} CPUs: {totals.window * totals.num_cpus:.2f} CPU-s\n\n"
+        "on CPU, by process and thread:"
     )
     by_label: collections.Counter[str] = collections.Counter()
     for tid, seconds in totals.on_cpu.items():

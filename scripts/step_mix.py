@@ -100,8 +100,8 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     CausalLM.forward = forward  # type: ignore[method-assign]
 
-    cfg = engine.loaded.model.config
-    flops_per_token = 2 * sum(p.numel() for n, p in engine.loaded.model.named_parameters() if ".layers." in n)
+    cfg = engine.core.loaded.model.config
+    flops_per_token = 2 * sum(p.numel() for n, p in engine.core.loaded.model.named_parameters() if ".layers." in n)
     flops = (
         len(prompts) * (PROMPT_LEN + OUTPUT_LEN) * flops_per_token
         + len(prompts) * OUTPUT_LEN * 2 * cfg.vocab_size * cfg.hidden_size
@@ -118,7 +118,8 @@ def main() -> None:
         kinds[kind][2] += rows
     steps = sorted(f[2] for f in forwards)
     print(
-        f"  forward times: median {1000 * steps[len(steps) // 2]:.0f} ms, p99 {1000 * steps[int(0.99 * len(steps))]:.0f} ms"
+        f"  forward times: median {1000 * steps[len(steps) // 2]:.0f} ms, "
+        f"p99 {1000 * steps[int(0.99 * len(steps))]:.0f} ms"
     )
     for kind, (count, seconds, rows) in sorted(kinds.items()):
         print(

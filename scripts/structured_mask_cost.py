@@ -102,7 +102,8 @@ def main() -> None:
         start = time.perf_counter()
         compiler.compile(params)
         print(
-            f"compile {next(k for k in ('json_schema', 'regex', 'choice') if getattr(params, k))}: {1e3 * (time.perf_counter() - start):.1f} ms"
+            f"compile {next(k for k in ('json_schema', 'regex', 'choice') if getattr(params, k))}: "
+            f"{1e3 * (time.perf_counter() - start):.1f} ms"
         )
     for batch in (1, 16):
         measure(compiler, batch, steps)

@@ -3,11 +3,11 @@
 `BearerToken` is one check, used by a server interceptor in front of every gRPC service
 but health and by the OpenAI-compatible HTTP front. Calls without `authorization: Bearer
 <token>` metadata end UNAUTHENTICATED before reaching a servicer: the client API on the
-proxy, and on workers Prefill, Decode, DecodeStream, ReleaseKV, Stats, SubscribeKVEvents and PullKV (the proxy and decode
-workers send the token). `PeerNameInterceptor` (a worker's `--worker-peer-names`) lets
-through only callers whose client certificate names a worker identity (its subject CN or
-a subject alternative name): a client certificate is not a worker, and gets
-PERMISSION_DENIED. Health stays open for probes, which carry neither.
+proxy, and on workers Prefill, Decode, DecodeStream, ReleaseKV, Stats, SubscribeKVEvents and
+PullKV (the proxy and decode workers send the token). `PeerNameInterceptor` (a worker's
+`--worker-peer-names`) lets through only callers whose client certificate names a worker
+identity (its subject CN or a subject alternative name): a client certificate is not a
+worker, and gets PERMISSION_DENIED. Health stays open for probes, which carry neither.
 """
 
 from __future__ import annotations

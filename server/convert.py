@@ -93,7 +93,8 @@ def prompt_from_proto(request: pb.GenerateRequest, max_model_len: int) -> Prompt
     if request.resume_token_ids:
         if len(request.resume_token_ids) >= max_model_len:
             raise ValueError(
-                f"resume_token_ids: {len(request.resume_token_ids)} tokens, but the model's maximum length is {max_model_len}"
+                f"resume_token_ids: {len(request.resume_token_ids)} tokens, "
+                f"but the model's maximum length is {max_model_len}"
             )
         return ResumedPrompt(prompt, list(request.resume_token_ids))
     return prompt

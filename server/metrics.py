@@ -10,6 +10,9 @@ and Prometheus' unit suffixes (`_total`, `_seconds`, `_bytes`).
 - Engine and KV transfer figures (running/waiting requests, KV blocks, transfer bytes,
   seconds and failures, staging pool bytes) come from the worker's `Stats` snapshot,
   taken on the engine thread at scrape time: never stale, never torn.
+- `kvservice_compute_path_info{compute_path="..."} 1` names the code a worker computes with:
+  "cpu-kernels (AVX512)" or "(AVX2)", or PyTorch and why (alert on `compute_path=~"pytorch.*"`
+  where the C++ kernels are expected: that path is ~7x slower).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvservice.server.errors import status_for
@@ -272,6 +275,12 @@ class EngineCollector(Collector):
         s = self.snapshot
         if s is None:
             return
+        if s.compute_path:
+            yield InfoMetricFamily(
+                "kvservice_compute_path",
+                "The code this worker computes with: the C++ CPU kernels and their ISA, or PyTorch and why",
+                value={"compute_path": s.compute_path},
+            )
         yield GaugeMetricFamily(
             "kvservice_num_requests_running", "Requests in the engine's running batch", value=s.num_running_requests
         )

@@ -1,31 +1,32 @@
 """A worker's `Stats` snapshot: the engine's own stats objects translated into the proto.
 
 Taken on the engine thread between steps, so the queues, the cache and the counters
-agree with each other.
+agree with each other. It names the worker's compute path too (`compute_path`: the C++ kernels
+and their ISA, or PyTorch and why), so a ~7x slower fallback shows in `kvservice stats` and
+`/metrics`.
 """
 
 from __future__ import annotations
 
 from kvservice.core.outputs import KVTransferCounters
 from kvservice.engine.engine import LLMEngine
+from kvservice.model.cpu_kernels import compute_path
 from kvservice.v1 import kvservice_pb2 as pb
 
 
 def engine_stats(engine: LLMEngine, role: str) -> pb.StatsResponse:
-    scheduler = engine.scheduler.make_stats()
-    # A colocated worker's prompt lane brings prompts' KV in through the scheduler's load path:
-    # those requests wait for their prompt to be computed here, not for KV from another worker.
-    lane_waiting = scheduler.num_waiting_for_remote_kv if engine.prompt_lane is not None else 0
+    scheduler = engine.core.scheduler.make_stats()
     stats = pb.StatsResponse(
         role=role,
         num_blocks_total=scheduler.num_blocks_total,
         num_blocks_free=scheduler.num_blocks_free,
         num_running_requests=scheduler.num_running_requests,
-        num_waiting_requests=scheduler.num_waiting_requests + lane_waiting,
-        num_waiting_for_remote_kv=scheduler.num_waiting_for_remote_kv - lane_waiting,
+        num_waiting_requests=scheduler.num_waiting_requests,
+        num_waiting_for_remote_kv=scheduler.num_waiting_for_remote_kv,
         num_finished_requests=scheduler.num_finished_requests,
         num_aborted_requests=scheduler.num_aborted_requests,
         num_preemptions=scheduler.num_preemptions,
+        compute_path=compute_path(engine.core.loaded.device),
     )
     stats.prefix_cache.queries = scheduler.prefix_cache.queries
     stats.prefix_cache.hits = scheduler.prefix_cache.hits

@@ -1,11 +1,8 @@
 """`kvservice serve`: one worker process, prefill, decode or colocated (`both`).
 
-Each role is an engine plus the services of that role:
-  prefill: Worker.Prefill + KVTransfer.PullKV, with a staging pool and a transfer registry;
-  decode:  Worker.Decode, with the pull connector;
-  both:    the client API (Generation), no connector - the baseline.
-Every role also serves Worker.Stats and Worker.SubscribeKVEvents: its prefix cache's
-changes, which is how the proxy routes by what each worker caches.
+Its flags and their checks, and the serving lifecycle every role shares: start the engine,
+bind, serve until a signal or an engine failure, drain, stop. What each role is made of (its
+engine, connector and services) is its builder's, in `kvservice.server.worker_builders`.
 """
 
 from __future__ import annotations
@@ -17,18 +14,10 @@ import dataclasses
 import logging
 import sys
 
-import grpc
 import torch
 
 from kvservice.config import EngineConfig
-from kvservice.connector.base import KVConnectorBase
-from kvservice.connector.decode_connector import DecodeKVConnector
-from kvservice.connector.kv_transfer_service import KVTransferService
-from kvservice.connector.prefill_connector import PrefillKVConnector
-from kvservice.connector.staging import StagingPool
-from kvservice.connector.transfer_registry import TransferRegistry
 from kvservice.engine.async_engine import AsyncLLMEngine
-from kvservice.engine.engine import LLMEngine
 from kvservice.loading.model_files import load_model_config
 from kvservice.loading.model_loader import ModelLoadError, resolve_dtype
 from kvservice.model.kv_cache import KVCacheLayout
@@ -36,17 +25,10 @@ from kvservice.runtime import engine_args
 from kvservice.runtime.event_loop import run_event_loop
 from kvservice.runtime.thread_priority import lower_serving_threads
 from kvservice.runtime.tls import TLSFiles, add_tls_arguments, add_worker_peer_names_argument, check_worker_peer_names
-from kvservice.server.auth import BearerTokenInterceptor, PeerNameInterceptor
-from kvservice.server.colocated_service import ColocatedGenerationService
-from kvservice.server.decode_service import DecodeWorkerService
-from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer, add_log_level_argument, configure_logging
-from kvservice.server.kv_events import KVEventPublisher
-from kvservice.server.metrics import ServerMetrics, metrics_app, start_http
+from kvservice.server.grpc_server import GrpcServer, add_log_level_argument, configure_logging
+from kvservice.server.metrics import metrics_app, start_http
 from kvservice.server.openai_front import OpenAIFront
-from kvservice.server.prefill_service import PrefillWorkerService
-from kvservice.server.worker_service import EngineWorkerService
-from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
-from kvservice.worker.core_lease import CoreLease, LeaseRole
+from kvservice.server.worker_builders import ROLE_BUILDERS, StartupError
 
 logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "both")
@@ -57,7 +39,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="tiny",
-        help="'tiny' (built in, random weights), 'smollm2' (SmolLM2-135M-Instruct, installed by make setup), a Hugging Face model directory or a GGUF file (default: tiny)",
+        help="'tiny' (built in, random weights), 'smollm2' (SmolLM2-135M-Instruct, installed by make setup), a "
+        "Hugging Face model directory or a GGUF file (default: tiny)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     engine_args.add_engine_arguments(parser)
@@ -88,18 +71,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-queued-requests",
         type=int,
         default=1024,
-        help="admission control: requests not yet running (incl. waiting for remote KV) past which new ones get RESOURCE_EXHAUSTED (default: 1024)",
+        help="admission control: requests not yet running (incl. waiting for remote KV) past which new ones get "
+        "RESOURCE_EXHAUSTED (default: 1024)",
     )
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument(
         "--core-lease",
         metavar="FILE",
         default=None,
-        help="take turns on the cores with the other workers given the same FILE (on this host, the same cores): a decode "
-        "step gets all of them as soon as it starts, a prefill step hands them over between its matmuls so decode steps "
-        "start about --step-target-ms apart, or three decode steps apart where those are slower; two workers that "
-        "compute on the same cores at once stall each other (`kvservice launch` gives one to its workers; a --device cuda "
-        "worker ignores it; default: off)",
+        help=(
+            "take turns on the cores with the other workers given the same FILE (on this host, the same cores): a "
+            "decode step gets all of them as soon as it starts, a prefill step hands them over between its matmuls so "
+            "decode steps start about --step-target-ms apart, or three decode steps apart where those are slower; two "
+            "workers that compute on the same cores at once stall each other (`kvservice launch` gives one to its "
+            "workers; a --device cuda worker ignores it; default: off)"
+        ),
     )
     parser.add_argument(
         "--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default: 30)"
@@ -122,12 +108,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--http-port",
         type=int,
         default=None,
-        help="--role both: serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...) on this port; 0 lets the OS pick (default: off)",
+        help="--role both: serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...) on this "
+        "port; 0 lets the OS pick (default: off)",
     )
     parser.add_argument(
         "--served-model-name",
         default=None,
-        help="the model name the HTTP API answers to (default: the model's own: a GGUF file's general.name, a directory's name)",
+        help="the model name the HTTP API answers to (default: the model's own: a GGUF file's general.name, a "
+        "directory's name)",
     )
     parser.add_argument(
         "--kv-peers",
@@ -165,7 +153,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
         if args.http_port is not None and args.role != "both":
             raise ValueError(
-                "--http-port: only a colocated worker (--role both) serves the HTTP API; for a prefill/decode pair, give it to the proxy"
+                "--http-port: only a colocated worker (--role both) serves the HTTP API; for a prefill/decode pair, "
+                "give it to the proxy"
             )
         tls = TLSFiles.from_args(args)
         tls.server_credentials()  # unreadable files fail here, before the model loads
@@ -184,100 +173,25 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
 
-class StartupError(RuntimeError):
-    """What stops a worker before it serves, reported as one line (exit code 2)."""
-
-
-async def read_kv_peers(given: list[str] | None) -> frozenset[str] | None:
-    """--kv-peers as given, or, for `-`, the addresses on stdin's first line (they may come long
-    after start: the launcher writes them once its prefill workers are ready)."""
-    if given != ["-"]:
-        return frozenset(given) if given is not None else None
-    line = await asyncio.to_thread(sys.stdin.readline)
-    peers = frozenset(line.split())
-    if not peers:
-        raise StartupError("--kv-peers -: stdin ended before a line of prefill addresses")
-    return peers
-
-
 async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheLayout, tls: TLSFiles) -> int:
-    registry: TransferRegistry | None = None
-    connector: KVConnectorBase | None = None
-    if args.role == "prefill":
-        registry = TransferRegistry(
-            StagingPool(args.kv_staging_mib << 20, pin_memory=config.device.startswith("cuda")),
-            layout,
-            args.kv_lease_seconds,
-        )
-        connector = PrefillKVConnector(registry)
-    elif args.role == "decode":
-        connector = DecodeKVConnector(
-            layout,
-            transfer_timeout=args.kv_transfer_timeout,
-            channel_credentials=tls.channel_credentials(),
-            auth_token=args.auth_token,
-            use_shared_memory=args.kv_transfer_shm,
-        )
-    core_lease = None
-    if args.core_lease is not None and config.device == "cpu":  # what a GPU worker shares is not its cores
-        role = LeaseRole.YIELDING if args.role == "prefill" else LeaseRole.FIRST
-        core_lease = CoreLease(args.core_lease, role, config.step_target_s)
-    # Read while the model loads (`--kv-peers -`); a decode worker fails here, before it computes anything.
-    reading_kv_peers = asyncio.ensure_future(read_kv_peers(args.kv_peers))
-    engine = await asyncio.to_thread(LLMEngine, args.model, config, connector, core_lease)
-    kv_peers = await reading_kv_peers
-    kv_events = KVEventPublisher(asyncio.get_running_loop(), config.block_size, engine.kv_hash_seed)
-    async_engine = AsyncLLMEngine(
-        engine, max_queued_requests=args.max_queued_requests, kv_events_sink=kv_events.publish
-    )
-    if isinstance(connector, DecodeKVConnector):
-        connector.on_load_done = async_engine.wake
+    """Build the role's worker, serve until a signal (or the engine fails), drain, stop."""
+    worker = await ROLE_BUILDERS[args.role](args, config, layout, tls)
+    async_engine = worker.async_engine
     async_engine.start()
     # The step thread (and the pool it starts) computes; this thread and what it starts serve.
     lower_serving_threads([async_engine.step_thread_id])
-
-    metrics = ServerMetrics(args.role)
-    prefill_service: PrefillWorkerService | None = None
-    transfer_service: KVTransferService | None = None
-    worker_service: EngineWorkerService
-    credentials = tls.server_credentials()
-    generation: ColocatedGenerationService | None = None
-    # Every role checks the bearer token on every RPC but health; workers can also check the peer's certificate.
-    interceptors: list[grpc.aio.ServerInterceptor] = (
-        [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
-    )
-    if args.worker_peer_names is not None:
-        interceptors.append(PeerNameInterceptor(args.worker_peer_names))
-    if args.role == "both":
-        server = GrpcServer([SERVICE_NAMES["generation"], SERVICE_NAMES["worker"]], credentials, interceptors)
-        generation = ColocatedGenerationService(async_engine, metrics=metrics)
-        pb_grpc.add_GenerationServicer_to_server(generation, server.server)
-        worker_service = EngineWorkerService(async_engine, "both", kv_events)
-    elif args.role == "decode":
-        server = GrpcServer([SERVICE_NAMES["worker"]], credentials, interceptors)
-        worker_service = DecodeWorkerService(async_engine, metrics=metrics, kv_peers=kv_peers, kv_events=kv_events)
-    else:
-        assert registry is not None
-        server = GrpcServer([SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], credentials, interceptors)
-        transfer_service = KVTransferService(registry)
-        server.server.add_generic_rpc_handlers([transfer_service.handler()])
-        worker_service = prefill_service = PrefillWorkerService(
-            async_engine, registry, metrics=metrics, kv_events=kv_events, kv_sending=transfer_service.stats
-        )
-    pb_grpc.add_WorkerServicer_to_server(worker_service, server.server)
-    port = server.bind(args.host, args.port)
-    await server.set_serving(True)
+    port = worker.server.bind(args.host, args.port)
+    await worker.server.set_serving(True)
     ready_line = f"kvservice serve: role={args.role} listening on {args.host}:{port}"
-
     runners = []
-    if generation is not None and args.http_port is not None:
+    if worker.generation is not None and args.http_port is not None:
         front = OpenAIFront(
-            generation,
-            args.served_model_name or engine.loaded.name,
+            worker.generation,
+            args.served_model_name or worker.engine.core.loaded.name,
             lambda: async_engine.is_alive,
             args.auth_token,
-            engine.tokenizer,
-            engine.max_model_len,
+            worker.engine.tokenizer,
+            worker.engine.max_model_len,
         )
         runner, http_port = await start_http(
             front.app(), args.host, args.http_port, shutdown_timeout=args.grace_period, ssl_context=tls.ssl_context()
@@ -285,41 +199,30 @@ async def serve(args: argparse.Namespace, config: EngineConfig, layout: KVCacheL
         runners.append(runner)
         ready_line += f"; http on {args.host}:{http_port}"
     if args.metrics_port is not None:
-        metrics_runner, metrics_port = await start_http(
-            metrics_app(metrics, worker_service.stats), args.host, args.metrics_port
-        )
+        metrics_app_ = metrics_app(worker.metrics, worker.worker_service.stats)
+        metrics_runner, metrics_port = await start_http(metrics_app_, args.host, args.metrics_port)
         runners.append(metrics_runner)
         ready_line += f"; metrics on {args.host}:{metrics_port}"
-
-    reaper = asyncio.create_task(_expire_leases(registry)) if registry is not None else None
     stop = asyncio.Event()
-    watchdog = asyncio.create_task(_stop_when_engine_fails(async_engine, server, stop))
+    watchdog = asyncio.create_task(_stop_when_engine_fails(async_engine, worker.server, stop))
 
     async def on_stop() -> None:
-        watchdog.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watchdog
-        if reaper is not None:
-            reaper.cancel()
+        for task in [watchdog, *worker.tasks]:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await reaper
+                await task
         for runner in runners:
             await runner.cleanup()
         await async_engine.stop()
-        if connector is not None:
-            connector.shutdown()
-        if transfer_service is not None:
-            transfer_service.close()
+        for close in worker.closers:
+            close()
 
     async def prepare_drain(deadline: float) -> None:
-        kv_events.close()  # event streams never end by themselves: end them before the drain waits for them
-        if isinstance(worker_service, DecodeWorkerService):
-            worker_service.drain()  # nor do DecodeStreams: each ends once its requests have
-        # Decode workers were promised this KV: refusing their pulls would make them recompute.
-        if prefill_service is not None and async_engine.error is None:
-            await prefill_service.drain()
+        worker.kv_events.close()  # event streams never end by themselves: end them before the drain waits
+        if worker.drain is not None:
+            await worker.drain()
 
-    await server.run_until_signalled(
+    await worker.server.run_until_signalled(
         args.grace_period, on_stop, ready_line=ready_line, stop=stop, before_stop=prepare_drain
     )
     if async_engine.error is not None:
@@ -334,12 +237,3 @@ async def _stop_when_engine_fails(engine: AsyncLLMEngine, server: GrpcServer, st
     logger.critical("engine failed, stopping the worker: %r", error)
     await server.set_serving(False)
     stop.set()
-
-
-async def _expire_leases(registry: TransferRegistry | None) -> None:
-    assert registry is not None
-    while True:
-        await asyncio.sleep(1.0)  # lease granularity, not synchronisation
-        expired = registry.expire()
-        if expired:
-            logger.warning("KV lease expired for %d transfer(s): %s", len(expired), expired[:5])

@@ -31,6 +31,7 @@ from kvservice.connector import wire
 from kvservice.connector.kv_transfer_service import PULL_KV_METHOD
 from kvservice.loading.model_files import load_model_config, smollm2_path
 from kvservice.loading.model_loader import resolve_dtype
+from kvservice.model.cpu_kernels import ALLOW_FALLBACK_ENV, compute_path, load_cpu_kernels, torch_fallback_opt_out
 from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer
 from kvservice.v1 import kvservice_pb2 as pb
@@ -44,6 +45,36 @@ pytest_plugins = ["pd_pair"]
 # The test models are tiny: with several intra-op threads on a small, shared CPU the
 # threads' fan-out costs far more than the arithmetic (and swings wildly under load).
 torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------- the C++ CPU kernels
+#
+# Built once, before any test runs: a build that fails ends the session, since without the
+# kernels every server runs ~7x slower and their tests would only skip. Where the PyTorch path
+# is expected, KVSERVICE_ALLOW_TORCH_FALLBACK=1 (or KVSERVICE_KERNELS=torch) lets the session
+# run, and the kernel tests skip naming it.
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if load_cpu_kernels() or torch_fallback_opt_out() is not None:
+        return
+    pytest.exit(
+        f"the C++ CPU kernels did not build here ({compute_path()}), so servers would run ~7x slower "
+        f"and the kernel tests could not run. Fix the build (a C++ compiler and ninja), or set "
+        f"{ALLOW_FALLBACK_ENV}=1 on a machine where the PyTorch path is expected.",
+        returncode=pytest.ExitCode.TESTS_FAILED,
+    )
+
+
+def require_cpu_kernels() -> None:
+    """For a test of the C++ kernels: they are loaded, or the test skips where an opt-out says the
+    PyTorch path is expected here, and fails anywhere else."""
+    if load_cpu_kernels():
+        return
+    opt_out = torch_fallback_opt_out()
+    if opt_out is None:
+        pytest.fail(f"the C++ CPU kernels are unavailable ({compute_path()}); set {ALLOW_FALLBACK_ENV}=1 to skip")
+    pytest.skip(f"{opt_out}: the C++ CPU kernels are unavailable ({compute_path()})")
 
 
 @pytest.fixture(scope="session")
@@ -102,7 +133,8 @@ DEFAULT_IDLE_DEADLINE = 15.0
 
 
 async def worker_stats(address: str) -> pb.StatsResponse:
-    """Stats of any server: a proxy or colocated worker (Generation.Stats), or a prefill or decode worker (Worker.Stats)."""
+    """Stats of any server: a proxy or colocated worker (Generation.Stats), or a prefill or decode
+    worker (Worker.Stats)."""
     async with KVServiceClient(address) as client:
         return await client.stats()
 

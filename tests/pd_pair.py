@@ -27,6 +27,7 @@ from kvservice.connector.transfer_registry import StagedTransfer, TransferRegist
 from kvservice.core.kv_cache_manager import cdiv
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine, RequestOutput
+from kvservice.engine.engine_builder import build_engine
 from kvservice.engine.llm import LLM
 from kvservice.loading.model_files import TINY_CONFIG
 from kvservice.model.kv_cache import KVCacheLayout
@@ -122,7 +123,7 @@ class Pair:
     def assert_everything_free(self) -> None:
         for engine in (self.prefill, self.decode):
             assert engine.num_free_blocks == engine.num_blocks
-            assert engine.scheduler.kv.block_tables == {}
+            assert engine.core.scheduler.kv.block_tables == {}
         assert self.registry.pool.bytes_in_use == 0
         assert self.registry.num_transfers == 0
 
@@ -146,8 +147,8 @@ async def pd_pair(
         on_load_done=lambda: loop.call_soon_threadsafe(load_done.set),
         use_shared_memory=use_shared_memory,
     )
-    prefill = LLMEngine("tiny", PREFILL_CONFIG, prefill_connector)
-    decode = LLMEngine(
+    prefill = build_engine("tiny", PREFILL_CONFIG, prefill_connector)
+    decode = build_engine(
         "tiny", dataclasses.replace(DECODE_CONFIG, kv_load_failure_policy=kv_load_failure_policy), decode_connector
     )
     server = grpc.aio.server()
@@ -183,7 +184,7 @@ async def drive_prefill(pair: Pair, on_finished: Callable[[str], None] | None = 
                     # Between steps, and before the step that frees the request's blocks.
                     on_finished(out.request_id)
     raise AssertionError(
-        f"prefill engine not drained after {MAX_STEPS} steps (blocks held: {engine.scheduler.kv.block_tables})"
+        f"prefill engine not drained after {MAX_STEPS} steps (blocks held: {engine.core.scheduler.kv.block_tables})"
     )
 
 
@@ -193,7 +194,7 @@ async def drive_decode(
     """Step the decode engine until it has nothing left; when a step can only wait for
     remote KV and changed nothing, wait for the connector's load-done event."""
     engine = pair.decode
-    sched = engine.scheduler
+    sched = engine.core.scheduler
     finished: dict[str, RequestOutput] = {}
 
     def state() -> tuple[object, ...]:
@@ -220,17 +221,17 @@ async def drive_decode(
             # A load that completes after this step's get_finished sets the event after the clear.
             await asyncio.wait_for(pair.load_done.wait(), WAIT)
     raise AssertionError(
-        f"decode engine not drained after {MAX_STEPS} steps (blocks held: {engine.scheduler.kv.block_tables})"
+        f"decode engine not drained after {MAX_STEPS} steps (blocks held: {engine.core.scheduler.kv.block_tables})"
     )
 
 
 def prompt_blocks(engine: LLMEngine, request_id: str, num_tokens: int) -> list[torch.Tensor]:
     """Per layer, a copy of the request's prompt blocks: [2, n, block_size, kv_heads, head_dim]."""
     num_blocks = cdiv(num_tokens, BLOCK_SIZE)
-    block_ids = engine.scheduler.kv.block_tables[request_id][:num_blocks]
+    block_ids = engine.core.scheduler.kv.block_tables[request_id][:num_blocks]
     assert len(block_ids) == num_blocks
     index = torch.tensor(block_ids)
-    return [cache.index_select(1, index).clone() for cache in engine.kv_caches]
+    return [cache.index_select(1, index).clone() for cache in engine.core.kv_caches]
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from kvservice.connector.decode_connector import REMOTE_ADDRESS, TRANSFER_TOKEN,
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from kvservice.engine.engine import LLMEngine
+from kvservice.engine.engine_builder import build_engine
 from kvservice.loading.model_files import load_model_config
 from kvservice.model.kv_cache import KVCacheLayout
 
@@ -49,7 +50,7 @@ class _FailingStep:
 
 @pytest_asyncio.fixture
 async def engine() -> AsyncIterator[AsyncLLMEngine]:
-    async_engine = AsyncLLMEngine(LLMEngine("tiny", CONFIG))
+    async_engine = AsyncLLMEngine(build_engine("tiny", CONFIG))
     async_engine.start()
     try:
         yield async_engine
@@ -128,7 +129,7 @@ async def test_run_aborts_its_request_when_the_callback_raises_or_the_call_is_ca
     with pytest.raises(asyncio.CancelledError):
         await call
     # Both aborts reached the step thread: every block is back and nothing runs.
-    stats = await engine.call(lambda e: e.scheduler.make_stats())
+    stats = await engine.call(lambda e: e.core.scheduler.make_stats())
     assert (stats.num_blocks_free, stats.num_running_requests, stats.num_waiting_requests) == (free, 0, 0)
     assert stats.num_aborted_requests == 2
 
@@ -176,7 +177,7 @@ async def _silent_prefill() -> tuple[grpc.aio.Server, str]:
 async def test_requests_waiting_for_blocks_held_by_a_pull_do_not_spin() -> None:
     server, address = await _silent_prefill()
     config = EngineConfig(block_size=8, num_blocks=8, max_model_len=128)
-    llm = LLMEngine(
+    llm = build_engine(
         "tiny", config, DecodeKVConnector(KVCacheLayout.for_model(load_model_config("tiny"), 8, torch.float32))
     )
     engine = AsyncLLMEngine(llm)
@@ -188,9 +189,11 @@ async def test_requests_waiting_for_blocks_held_by_a_pull_do_not_spin() -> None:
         # 6 of the 8 blocks wait for a pull that never ends; 4 more are needed by the second.
         remote = engine.generate(list(range(1, 49)), params, "remote", {REMOTE_ADDRESS: address, TRANSFER_TOKEN: b"t"})
         pulling = asyncio.create_task(anext(remote))
-        await asyncio.wait_for(_wait_until(engine, lambda e: len(e.scheduler.waiting_for_remote_kv) == 1), DEADLINE_S)
+        await asyncio.wait_for(
+            _wait_until(engine, lambda e: len(e.core.scheduler.waiting_for_remote_kv) == 1), DEADLINE_S
+        )
         local = asyncio.create_task(_collect(engine, list(range(1, 30)), 2))
-        await asyncio.wait_for(_wait_until(engine, lambda e: len(e.scheduler.waiting) == 1), DEADLINE_S)
+        await asyncio.wait_for(_wait_until(engine, lambda e: len(e.core.scheduler.waiting) == 1), DEADLINE_S)
         counter = _StepCounter(llm)
         await asyncio.sleep(0.5)  # a measurement window, not synchronisation
         # Spinning ran ~48,000 empty steps a second; waiting on the wake-up event, ~20.

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import require_cpu_kernels
 
 from kvservice.model.attention import AttentionMetadata, paged_attention
-from kvservice.model.cpu_kernels import load_cpu_kernels
 from kvservice.worker.input_batch import BatchItem, build_batch
 
 BLOCK_SIZE = 16
@@ -21,8 +21,7 @@ HEAD_DIM = 64
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not load_cpu_kernels():
-        pytest.skip("the C++ kernels did not build here (the PyTorch path serves)")
+    require_cpu_kernels()
     return torch.ops.kvservice.paged_decode_attention
 
 

@@ -17,7 +17,7 @@ def test_reference_model_generates_what_the_engine_generates(model: str, tmp_pat
         save_bench_model(tmp_path, {**BENCH_MODEL, "num_hidden_layers": 2, "tie_word_embeddings": True})
         model = str(tmp_path)
     llm = LLM(model, num_blocks=32)
-    hf = reference_model(llm.engine.loaded.model, torch.float32)
+    hf = reference_model(llm.engine.core.loaded.model, torch.float32)
     prompts = [[5, 17, 42, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outputs):

@@ -212,7 +212,10 @@ def test_the_vllm_shim_is_found_as_the_cpu_build_of_vllm(tmp_path: Path) -> None
 
 
 def test_llama_cpp_is_built_for_the_cpus_extensions_but_never_amx() -> None:
-    cpuinfo = "processor\t: 0\nflags\t\t: fpu sse4_2 avx avx2 fma f16c bmi2 avx512f avx512cd avx512vl avx512dq amx_tile amx_int8\n"
+    cpuinfo = (
+        "processor\t: 0\n"
+        "flags\t\t: fpu sse4_2 avx avx2 fma f16c bmi2 avx512f avx512cd avx512vl avx512dq amx_tile amx_int8\n"
+    )
     flags = ggml_isa_flags(cpu_flags(cpuinfo))
     assert {"-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_SSE42=ON"} <= set(flags)
     assert "-DGGML_AVX512=OFF" in flags  # avx512bw missing: all five AVX-512 subsets or none

@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from conftest import require_cpu_kernels
 from gguf_models import GGUFSpec, random_block_quant_weight, random_state, write_gguf
 
 from kvservice import LLM, SamplingParams
@@ -25,7 +26,6 @@ from kvservice.loading.gguf_loader import (
 from kvservice.loading.model_loader import load_model
 from kvservice.model import model as model_module
 from kvservice.model.block_quant import BlockQuantWeight
-from kvservice.model.cpu_kernels import load_cpu_kernels
 from kvservice.model.model import Linear
 
 SPEC = GGUFSpec(arch="llama", hidden_size=256, intermediate_size=320, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -33,8 +33,7 @@ SPEC = GGUFSpec(arch="llama", hidden_size=256, intermediate_size=320, num_layers
 
 @pytest.fixture(scope="module")
 def kernels() -> None:
-    if not load_cpu_kernels():
-        pytest.skip("the C++ kernels did not build here (the PyTorch path serves)")
+    require_cpu_kernels()
 
 
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 6, 7, 9, 13, 16, 17, 64, 81, 300])
@@ -171,10 +170,10 @@ def test_greedy_tokens_are_the_same_with_and_without_the_kernel(
     prompts = [list(range(3, 3 + n)) for n in (5, 9, 17, 2)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with_kernel = [o.token_ids for o in llm.generate(prompts, params)]
-    for module in llm.engine.loaded.model.modules():
+    for module in llm.engine.core.loaded.model.modules():
         if isinstance(module, Linear):
             module.block_quant = None  # the dense weights (bfloat16: widened): the path without the kernel
-    llm.engine.loaded.model.prepare_for_cpu(batch_hint=16)
+    llm.engine.core.loaded.model.prepare_for_cpu(batch_hint=16)
     assert [o.token_ids for o in llm.generate(prompts, params)] == with_kernel
 
 

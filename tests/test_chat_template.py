@@ -111,7 +111,8 @@ ALTERNATING = """\
         {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}
     {% endif %}
     {% if message['role'] == 'user' %}
-        {{ '[INST] ' }}{% if loop.first and system %}{{ system + '\\n\\n' }}{% endif %}{{ message['content'] + ' [/INST]' }}
+        {{ '[INST] ' }}{% if loop.first and system %}{{ system + '\\n\\n' }}{% endif %}{{
+            message['content'] + ' [/INST]' }}
     {% else %}
         {{ ' ' + message['content'] + eos_token }}
     {% endif %}

@@ -188,7 +188,10 @@ async def test_health_unreachable_exits_nonzero(capsys: pytest.CaptureFixture[st
 async def test_client_commands_and_the_proxy_do_not_import_torch(command: str) -> None:
     """A container's health check runs `kvservice health` every few seconds, and a launch waits
     for its proxy: neither imports torch (~1 s of CPU)."""
-    probe = f"import sys; from kvservice.cli import build_parser; build_parser({command!r}); print(sorted({{'torch', 'numpy'}} & set(sys.modules)))"
+    probe = (
+        f"import sys; from kvservice.cli import build_parser; build_parser({command!r}); "
+        "print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    )
     code, stdout, stderr = await run(sys.executable, "-c", probe)
     assert code == 0, stderr
     assert stdout.strip() == "[]"

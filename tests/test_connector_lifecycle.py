@@ -32,6 +32,7 @@ from kvservice.core.outputs import (
 from kvservice.core.request import RequestStatus
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine, RequestOutput
+from kvservice.engine.engine_builder import build_engine
 
 CONFIG = EngineConfig(block_size=8, num_blocks=32, max_model_len=128)
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -39,7 +40,7 @@ PROMPT = [10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]  # 2 blocks of 8
 
 
 def make_engine(connector: KVConnectorBase | None = None, config: EngineConfig = CONFIG) -> LLMEngine:
-    return LLMEngine("tiny", config, connector)
+    return build_engine("tiny", config, connector)
 
 
 def run_to_completion(engine: LLMEngine, max_steps: int = 100) -> dict[str, RequestOutput]:
@@ -90,7 +91,7 @@ def test_no_forward_step_still_drives_the_connector_without_waiting_for_saves() 
     engine = make_engine(connector)
     engine.add_request(PROMPT, GREEDY, "r", {REMOTE: True})
     assert engine.step() == []
-    assert engine.scheduler.requests["r"].status is RequestStatus.WAITING_FOR_REMOTE_KV
+    assert engine.core.scheduler.requests["r"].status is RequestStatus.WAITING_FOR_REMOTE_KV
     assert connector.take_calls() == no_forward_step(StepMeta(1))
     # Still waiting: every step keeps polling the connector (the decode worker does not stall).
     engine.step()
@@ -117,8 +118,8 @@ def test_deferred_step_leaves_save_and_clear_to_finalize(reference_tokens: list[
     connector = RecordingConnector()
     engine = make_engine(connector)
     engine.add_request(PROMPT, GREEDY, "r")
-    scheduler_output = engine.scheduler.schedule()
-    runner_output = engine.runner.execute_model(scheduler_output, defer_finalize=True)
+    scheduler_output = engine.core.scheduler.schedule()
+    runner_output = engine.core.runner.execute_model(scheduler_output, defer_finalize=True)
     meta = StepMeta(1)
     assert connector.take_calls() == [
         ("bind_connector_metadata", meta),
@@ -128,12 +129,12 @@ def test_deferred_step_leaves_save_and_clear_to_finalize(reference_tokens: list[
     ]
     # The metadata stays bound for the caller's draft pass.
     assert connector.connector_metadata == meta
-    engine.runner.finalize()
+    engine.core.runner.finalize()
     assert connector.take_calls() == [("wait_for_save",), ("clear_connector_metadata",)]
     # The deferred step sampled what an eager one does.
     assert runner_output.sampled_token_ids == {"r": [reference_tokens[0]]}
     assert runner_output.kv_connector_output is not None
-    outputs = engine.scheduler.update_from_output(
+    outputs = engine.core.scheduler.update_from_output(
         scheduler_output, runner_output.sampled_token_ids, runner_output.kv_connector_output
     )
     assert [o.new_token_ids for o in outputs] == [[reference_tokens[0]]]
@@ -143,8 +144,8 @@ def test_deferred_step_without_a_connector_runs_and_finalize_is_a_no_op(referenc
     finalize_kv_connector(None)
     engine = make_engine()
     engine.add_request(PROMPT, GREEDY, "r")
-    runner_output = engine.runner.execute_model(engine.scheduler.schedule(), defer_finalize=True)
-    engine.runner.finalize()
+    runner_output = engine.core.runner.execute_model(engine.core.scheduler.schedule(), defer_finalize=True)
+    engine.core.runner.finalize()
     assert runner_output.kv_connector_output is None
     assert runner_output.sampled_token_ids == {"r": [reference_tokens[0]]}
 
@@ -155,9 +156,9 @@ def test_no_connector_yields_none_and_the_engine_runs(reference_tokens: list[int
         assert output is None
     engine = make_engine()
     engine.add_request(PROMPT, GREEDY, "r")
-    scheduler_output = engine.scheduler.schedule()
+    scheduler_output = engine.core.scheduler.schedule()
     assert scheduler_output.kv_connector_metadata is None
-    runner_output = engine.runner.execute_model(scheduler_output)
+    runner_output = engine.core.runner.execute_model(scheduler_output)
     assert runner_output.kv_connector_output is None
     assert runner_output.sampled_token_ids == {"r": [reference_tokens[0]]}
 
@@ -205,7 +206,7 @@ def test_delay_free_keeps_blocks_until_finished_sending_reports_the_request() ->
     (output,) = engine.step()
     assert output.finished
     assert connector.finished_requests == [("r", RequestStatus.FINISHED_LENGTH)]
-    held = engine.scheduler.kv.get_block_ids("r")
+    held = engine.core.scheduler.kv.get_block_ids("r")
     assert len(held) == 2 and engine.num_free_blocks == engine.num_blocks - 2
     # Steps pass and the connector reports nothing: the blocks stay allocated.
     for _ in range(3):
@@ -216,7 +217,7 @@ def test_delay_free_keeps_blocks_until_finished_sending_reports_the_request() ->
     engine.step()
     assert connector.connector_outputs[-1].finished_sending == {"r"}
     assert engine.num_free_blocks == engine.num_blocks
-    assert engine.scheduler.kv.get_block_ids("r") == []
+    assert engine.core.scheduler.kv.get_block_ids("r") == []
     assert not engine.has_unfinished_requests()
 
 
@@ -225,12 +226,12 @@ def test_finished_recving_resumes_the_request_with_the_remote_first_token() -> N
     engine = make_engine(connector)
     engine.add_request(PROMPT, GREEDY, "r", {REMOTE: True})
     engine.step()
-    assert engine.scheduler.requests["r"].status is RequestStatus.WAITING_FOR_REMOTE_KV
+    assert engine.core.scheduler.requests["r"].status is RequestStatus.WAITING_FOR_REMOTE_KV
     connector.report_recving = {"r"}
     connector.report_first_tokens = {"r": 123}
     (output,) = engine.step()
     assert (output.request_id, output.new_token_ids) == ("r", [123])
-    request = engine.scheduler.requests["r"]
+    request = engine.core.scheduler.requests["r"]
     assert request.status is RequestStatus.RUNNING
     assert request.num_computed_tokens == len(PROMPT)  # the prompt is not recomputed
     # The next step decodes from the remote token: one token through the model.
@@ -246,7 +247,7 @@ def test_load_errors_reported_by_the_lifecycle_make_the_scheduler_recompute(refe
     engine.add_request(PROMPT, GREEDY, "r", {REMOTE: True})
     engine.step()
     connector.report_recving = {"r"}
-    connector.report_load_errors = set(engine.scheduler.kv.get_block_ids("r"))
+    connector.report_load_errors = set(engine.core.scheduler.kv.get_block_ids("r"))
     assert engine.step() == []  # the load failed: no remote first token
     # Default policy recompute: the prompt runs on this engine and the output is still right.
     assert run_to_completion(engine)["r"].token_ids == reference_tokens
@@ -261,7 +262,7 @@ def test_load_errors_with_policy_fail_end_the_request_with_an_error() -> None:
     engine.add_request(PROMPT, GREEDY, "r", {REMOTE: True})
     engine.step()
     connector.report_recving = {"r"}
-    connector.report_load_errors = set(engine.scheduler.kv.get_block_ids("r"))
+    connector.report_load_errors = set(engine.core.scheduler.kv.get_block_ids("r"))
     (output,) = engine.step()
     assert output.finish_reason == "error" and output.token_ids == []
     assert output.error is not None and "kv_load_failure_policy=fail" in output.error

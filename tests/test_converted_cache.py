@@ -79,13 +79,13 @@ def test_the_second_load_reads_the_entry_and_builds_the_same_model(
     second = LLM(str(gguf_file))
     assert second.generate([list(range(5, 40))], GREEDY)[0].token_ids == expected
     # The same weights, block-quantized copies included.
-    loaded, reference = second.engine.loaded.model.state_dict(), first.engine.loaded.model.state_dict()
+    loaded, reference = second.engine.core.loaded.model.state_dict(), first.engine.core.loaded.model.state_dict()
     assert loaded.keys() == reference.keys() and all(torch.equal(loaded[k], reference[k]) for k in reference)
 
     def blocks(llm: LLM) -> dict[str, torch.Tensor]:
         return {
             name: m.block_quant.dequantize()
-            for name, m in llm.engine.loaded.model.named_modules()
+            for name, m in llm.engine.core.loaded.model.named_modules()
             if getattr(m, "block_quant", None) is not None
         }
 

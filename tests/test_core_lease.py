@@ -21,6 +21,7 @@ from kvservice.client.cluster import LocalCluster
 from kvservice.config import EngineConfig
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine
+from kvservice.engine.engine_builder import build_engine
 from kvservice.worker.core_lease import CoreLease, DecodeCycle, LeaseRole
 
 # A decode worker's end in another process (record locks do not conflict within one): it
@@ -212,8 +213,8 @@ def test_a_yielding_engine_pauses_between_every_layers_matmuls_and_samples_the_s
     config = EngineConfig(max_model_len=128, num_blocks=64)
     prompts = [[1, 5, 9, 12, 40, 3], [7, 7, 2]]
     lease = _RecordingLease(lease_path)
-    engine = LLMEngine("tiny", config, core_lease=lease)
-    assert _greedy(engine, prompts) == _greedy(LLMEngine("tiny", config), prompts)
+    engine = build_engine("tiny", config, core_lease=lease)
+    assert _greedy(engine, prompts) == _greedy(build_engine("tiny", config), prompts)
     num_layers = engine.model_config.num_hidden_layers
     per_step = ["o_proj", "mlp", "down_proj", "attention"] * num_layers
     assert lease.points[: len(per_step)] == per_step

@@ -19,7 +19,7 @@ from conftest import serving_worker, tiny_greedy, wait_for
 
 from kvservice.config import EngineConfig
 from kvservice.engine.async_engine import AsyncLLMEngine
-from kvservice.engine.engine import LLMEngine
+from kvservice.engine.engine_builder import build_engine
 from kvservice.server.decode_service import DecodeWorkerService
 from kvservice.server.proxy import decode_stream
 from kvservice.server.proxy.decode_stream import DecodeStreams
@@ -43,7 +43,7 @@ def _request(request_id: str, prompt: list[int], max_tokens: int) -> pb.DecodeRe
 @pytest_asyncio.fixture
 async def decode_worker() -> AsyncIterator[tuple[DecodeWorkerService, pb_grpc.WorkerStub]]:
     """A decode worker's service on a tiny engine, and a stub to it."""
-    engine = AsyncLLMEngine(LLMEngine("tiny", CONFIG))
+    engine = AsyncLLMEngine(build_engine("tiny", CONFIG))
     engine.start()
     service = DecodeWorkerService(engine)
     try:
@@ -55,7 +55,7 @@ async def decode_worker() -> AsyncIterator[tuple[DecodeWorkerService, pb_grpc.Wo
 
 async def _has_no_requests(service: DecodeWorkerService) -> bool | None:
     """True once the engine holds no request (for wait_for: None until then)."""
-    stats = await service.engine.call(lambda engine: engine.scheduler.make_stats())
+    stats = await service.engine.call(lambda engine: engine.core.scheduler.make_stats())
     return stats.num_running_requests + stats.num_waiting_requests == 0 or None
 
 

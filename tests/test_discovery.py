@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import pytest
 from conftest import is_idle, tiny_greedy, wait_for, worker_stats
@@ -219,6 +219,71 @@ async def follows(client: KVServiceClient, want: dict[str, str], since: float) -
     return time.monotonic() - since
 
 
+def dns_proxy(ns: Namespace, processes: list[asyncio.subprocess.Process], host: int) -> Awaitable[str]:
+    """A proxy at `host` that finds its workers by the names `prefill-pool` and `decode-pool`."""
+    return spawn(
+        ns,
+        processes,
+        "proxy",
+        "--prefill-dns",
+        f"prefill-pool:{PORT}",
+        "--decode-dns",
+        f"decode-pool:{PORT}",
+        "--discovery-interval",
+        str(DISCOVERY_INTERVAL_S),
+        "--health-interval",
+        "0.2",
+        "--model",
+        "tiny",
+        "--host",
+        ns.ip(host),
+        "--port",
+        "0",
+    )
+
+
+class StreamingLoad:
+    """Clients that stream the prompts in turn, each output checked against its expected tokens."""
+
+    def __init__(self, client: KVServiceClient, prompts: list[list[int]], expected: list[list[int]]) -> None:
+        self.client, self.prompts, self.expected = client, prompts, expected
+        self.num_done = self.num_started = 0
+        self.mismatches: list[int] = []  # the prompts whose output differed
+        self.is_finishing = asyncio.Event()  # set: stop once every prompt has been sent once
+
+    async def client_loop(self) -> None:
+        while not (self.is_finishing.is_set() and self.num_started >= len(self.prompts)):
+            i = self.num_started % len(self.prompts)
+            self.num_started += 1
+            tokens: list[int] = []
+            async for chunk in self.client.generate(
+                self.prompts[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
+            ):
+                tokens.extend(chunk.token_ids)
+            if tokens != self.expected[i]:
+                self.mismatches.append(i)
+            self.num_done += 1
+
+
+@contextlib.asynccontextmanager
+async def streaming_load(
+    client: KVServiceClient, prompts: list[list[int]], expected: list[list[int]]
+) -> AsyncIterator[StreamingLoad]:
+    """CONCURRENCY clients streaming while the body runs; on leaving it, they go on until every
+    prompt has been sent, and are awaited (cancelled when the body failed)."""
+    load = StreamingLoad(client, prompts, expected)
+    running = asyncio.gather(*(load.client_loop() for _ in range(CONCURRENCY)))
+    try:
+        yield load
+        load.is_finishing.set()
+        await running
+    finally:
+        if not running.done():
+            running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
+
+
 @pytest.mark.slow
 async def test_decode_workers_join_and_leave_by_dns_while_requests_stream() -> None:
     prompts = random_prompts([24] * NUM_REQUESTS, seed=21, vocab_size=256)
@@ -230,49 +295,12 @@ async def test_decode_workers_join_and_leave_by_dns_while_requests_stream() -> N
         prefill_address, d1_address, d2_address = await asyncio.gather(
             worker(ns, processes, "prefill", 3), worker(ns, processes, "decode", 4), worker(ns, processes, "decode", 5)
         )
-        proxy = await spawn(
-            ns,
-            processes,
-            "proxy",
-            "--prefill-dns",
-            f"prefill-pool:{PORT}",
-            "--decode-dns",
-            f"decode-pool:{PORT}",
-            "--discovery-interval",
-            str(DISCOVERY_INTERVAL_S),
-            "--health-interval",
-            "0.2",
-            "--model",
-            "tiny",
-            "--host",
-            ns.ip(2),
-            "--port",
-            "0",
-        )
+        proxy = await dns_proxy(ns, processes, 2)
         async with KVServiceClient(proxy) as client:
             await follows(client, {d1_address: "serving"}, time.monotonic())
             # The load runs until both membership changes are done and NUM_REQUESTS have completed.
-            mismatches: list[int] = []
-            done = started = 0
-            changes_done = asyncio.Event()
-
-            async def client_loop() -> None:
-                nonlocal done, started
-                while not (changes_done.is_set() and started >= NUM_REQUESTS):
-                    i = started % NUM_REQUESTS
-                    started += 1
-                    tokens: list[int] = []
-                    async for chunk in client.generate(
-                        prompts[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
-                    ):
-                        tokens.extend(chunk.token_ids)
-                    if tokens != expected[i]:
-                        mismatches.append(i)
-                    done += 1
-
-            load = asyncio.gather(*(client_loop() for _ in range(CONCURRENCY)))
-            try:
-                await wait_for(lambda: asyncio.sleep(0, done >= 20), "20 requests done", 60)
+            async with streaming_load(client, prompts, expected) as load:
+                await wait_for(lambda: asyncio.sleep(0, load.num_done >= 20), "20 requests done", 60)
                 # A decode worker scales up: it gets traffic once SERVING with its snapshot.
                 added = time.monotonic()
                 ns.set_names({"prefill-pool": [p1], "decode-pool": [d1, d2]})
@@ -287,15 +315,9 @@ async def test_decode_workers_join_and_leave_by_dns_while_requests_stream() -> N
                 ns.set_names({"prefill-pool": [p1], "decode-pool": [d2]})
                 leave_s = await follows(client, {d2_address: "serving"}, removed)
                 finished_on_d1 = (await worker_stats(d1_address)).num_finished_requests
-                changes_done.set()
-                await load
-            finally:
-                if not load.done():
-                    load.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await load
         print(f"membership: join {join_s:.2f} s, leave {leave_s:.2f} s after the DNS change")
-        assert done >= NUM_REQUESTS and not mismatches, mismatches  # every request completed, token for token
+        done = load.num_done
+        assert done >= NUM_REQUESTS and not load.mismatches, load.mismatches  # every request completed, token for token
         limit = DISCOVERY_INTERVAL_S + 1.0
         assert join_s <= limit and leave_s <= limit, (join_s, leave_s)
         d1_stats = await worker_stats(d1_address)
@@ -317,22 +339,7 @@ async def test_two_proxies_route_the_same_workers_independently() -> None:
         await asyncio.gather(
             worker(ns, processes, "prefill", 3), worker(ns, processes, "decode", 4), worker(ns, processes, "decode", 5)
         )
-        proxy_args = (
-            "proxy",
-            "--prefill-dns",
-            f"prefill-pool:{PORT}",
-            "--decode-dns",
-            f"decode-pool:{PORT}",
-            "--discovery-interval",
-            "1",
-            "--health-interval",
-            "0.2",
-            "--model",
-            "tiny",
-            "--port",
-            "0",
-        )
-        proxies = [await spawn(ns, processes, *proxy_args, "--host", ns.ip(host)) for host in (2, 6)]
+        proxies = [await dns_proxy(ns, processes, host) for host in (2, 6)]
         for proxy in proxies:
             async with KVServiceClient(proxy) as client:
                 await follows(

@@ -14,17 +14,17 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
 import pytest
-from conftest import local_cluster, tiny_greedy, wait_for, wait_until_idle, worker_stats
+from conftest import kill_all, local_cluster, tiny_greedy, wait_for, wait_until_idle, worker_stats
+from corrupting_prefill import CorruptingPrefillCluster
 from hf_models import random_prompts
 
 from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
-from kvservice.connector.kv_transfer_service import FAULT_CORRUPT_CHUNK_EVERY
 from kvservice.v1 import kvservice_pb2 as pb
 
 pytestmark = [pytest.mark.slow]
@@ -63,9 +63,32 @@ async def proxy_worker_entry(client: KVServiceClient, address: str) -> pb.Worker
 
 def cluster(**kwargs: Any) -> contextlib.AbstractAsyncContextManager[LocalCluster]:
     """A LocalCluster of the tiny model with this module's worker and proxy flags."""
-    kwargs.setdefault("worker_args", BASE_WORKER_ARGS)
-    kwargs.setdefault("proxy_args", FAST_PROXY_ARGS)
-    return local_cluster("tiny", startup_timeout=60, grace_period=GRACE_S, **kwargs)
+    return local_cluster("tiny", **_cluster_kwargs(kwargs))
+
+
+@contextlib.asynccontextmanager
+async def corrupting_cluster(corrupt_chunk_every: int, **kwargs: Any) -> AsyncIterator[LocalCluster]:
+    """`cluster`, but its prefill workers corrupt every `corrupt_chunk_every`th KV chunk they send."""
+    c = CorruptingPrefillCluster("tiny", corrupt_chunk_every=corrupt_chunk_every, **_cluster_kwargs(kwargs))
+    try:
+        await c.start()
+        yield c
+    finally:
+        processes = [child.process for child in c.children]
+        try:
+            await asyncio.wait_for(c.stop(), 30)
+        finally:
+            await kill_all(processes)
+
+
+def _cluster_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "worker_args": BASE_WORKER_ARGS,
+        "proxy_args": FAST_PROXY_ARGS,
+        "startup_timeout": 60,
+        "grace_period": GRACE_S,
+        **kwargs,
+    }
 
 
 def kill(c: LocalCluster, name: str) -> None:
@@ -189,13 +212,11 @@ async def test_decode_killed_streams_migrate_and_complete_exactly() -> None:
 # ---------------------------------------------------------------- 3. corrupted chunk
 
 
-async def test_corrupted_chunk_is_rejected_and_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The hook only acts in the prefill worker's KVTransfer service; the others ignore it.
-    monkeypatch.setenv(FAULT_CORRUPT_CHUNK_EVERY, "3")
+async def test_corrupted_chunk_is_rejected_and_recomputed() -> None:
     prompts = random_prompts([60] * 6, seed=4, vocab_size=256)
     max_tokens = 8
     expected = tiny_greedy(prompts, max_tokens)
-    async with cluster(num_prefill=1, num_decode=1) as c:
+    async with corrupting_cluster(3, num_prefill=1, num_decode=1) as c:
         async with KVServiceClient(c.address) as client:
             outputs = await asyncio.gather(*(generate(client, p, max_tokens) for p in prompts))
         assert outputs == expected
@@ -279,7 +300,8 @@ async def test_overload_completes_or_refuses_every_request_and_frees_every_block
             await asyncio.wait_for(asyncio.gather(*(one(i, client) for i in range(OVERLOAD_REQUESTS))), 150)
         elapsed = time.monotonic() - start
         print(
-            f"overload: {OVERLOAD_REQUESTS} requests at concurrency {OVERLOAD_CONCURRENCY}: {outcomes} in {elapsed:.1f} s"
+            f"overload: {OVERLOAD_REQUESTS} requests at concurrency {OVERLOAD_CONCURRENCY}: "
+            f"{outcomes} in {elapsed:.1f} s"
         )
         assert outcomes["ok"] + outcomes["RESOURCE_EXHAUSTED"] == OVERLOAD_REQUESTS
         assert outcomes["ok"] > 0

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from conftest import require_cpu_kernels
 from gguf_models import random_block_quant_weight
 
 from kvservice import LLM, SamplingParams
@@ -23,8 +24,7 @@ from kvservice.model.model import CausalLM
 
 @pytest.fixture(scope="module")
 def greedy_head_built() -> None:
-    if not load_cpu_kernels():
-        pytest.skip("the C++ kernels did not build here (the PyTorch path serves)")
+    require_cpu_kernels()
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip(
             "neither the AVX2 nor the AVX-512 build: models compute full logits (test_smollm2_* checks that path)"
@@ -147,7 +147,7 @@ def test_smollm2_greedy_batches_take_the_head_and_keep_their_tokens(
 ) -> None:
     """A batch of greedy requests samples through `greedy_tokens` (the AVX2 and AVX-512 builds) and
     generates the tokens the full logits give; one that wants logprobs computes the logits."""
-    model = smollm2_llm.engine.loaded.model
+    model = smollm2_llm.engine.core.loaded.model
     supported = load_cpu_kernels() and torch.ops.kvservice.greedy_head_supported()
     assert (model._greedy_head is not None) == supported
     prompts = [[1, 504, 3458, 282 + i] for i in range(6)]

@@ -143,7 +143,7 @@ async def test_aborting_a_decode_request_while_its_pull_waits_frees_everything()
     async with pd_pair() as pair:
         pair.add_decode("orphan", prompt, pair.address, b"token")
         pair.decode.step()  # blocks allocated, the pull started
-        assert "orphan" in pair.decode.scheduler.waiting_for_remote_kv
+        assert "orphan" in pair.decode.core.scheduler.waiting_for_remote_kv
         assert pair.decode.num_free_blocks < pair.decode.num_blocks
         assert pair.decode.abort_request("orphan")
         out = await drive_decode(pair)  # fails after WAIT (< the registration timeout) if the pull is not cancelled

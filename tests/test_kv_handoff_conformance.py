@@ -171,78 +171,111 @@ def _assert_right_output_or_clear_error(result: LoadResult | None, decode: Decod
         assert len(result.error) > 10, f"unclear error: {result.error!r}"
 
 
+@dataclass
+class PrefillHandoff:
+    """Transfer "r" on the prefill side, and the decode side's pull of it once one started."""
+
+    prefill: Prefill
+    decode: Decode | None
+    transfer: StagedTransfer | None = None
+    is_freed_at_once: bool = True  # False: only its lease frees the staging
+    is_prefill_gone: bool = False
+
+    def abort_both(self) -> None:
+        """client_abort. The proxy cancels both calls: the prefill fails its transfer (or refuses
+        the id), the decode side cancels its pull."""
+        if self.transfer is None:
+            self.prefill.registry.reject("r", TOKEN, "the prefill request was refused")
+        else:
+            self.prefill.registry.fail("r", "the prefill request was aborted")
+        if self.decode is not None:
+            self.decode.task.cancel()
+
+    async def end_decode_stream(self, fault: str) -> None:
+        """kill_decode (the pull cancelled) or dropped_stream (its channel closed), then the release."""
+        if self.decode is not None:
+            if fault == "kill_decode":
+                self.decode.task.cancel()
+            else:
+                await self.decode.channel.close()
+        # The proxy releases the staging once the decode stream has ended, whatever happened.
+        self.prefill.registry.release("r", TOKEN)
+        if self.transfer is None:
+            # The prefill registers after the release (the rejection is cleared): nobody
+            # will pull it, so only its lease frees it.
+            self.transfer = self.prefill.register()
+            self.prefill.finish(self.transfer)
+            self.is_freed_at_once = False
+
+    def expire_lease(self, state: str) -> None:
+        """lease_expiry: every lease runs out, except under a streaming pull."""
+        expired = self.prefill.registry.expire(now=time.monotonic() + 2 * LEASE_S)
+        if state == "pulling":
+            assert expired == [], "the lease expired under a streaming pull"
+            assert self.transfer is not None
+            self.prefill.finish(self.transfer)
+
+    async def complete_twice(self) -> None:
+        """late_duplicate_completion: the transfer completes and is pulled; then a second
+        completion and a release arrive late, both no-ops."""
+        if self.transfer is None:
+            self.transfer = self.prefill.register()
+        self.prefill.finish(self.transfer)
+        if self.decode is None:
+            self.decode = Decode(self.prefill.address)
+        result = await self.decode.result()
+        assert result is not None and result.error is None, result
+        self.prefill.registry.complete("r", FIRST_TOKEN + 1)  # late, duplicated: a no-op
+        assert self.prefill.registry.release("r", TOKEN) is False  # a late release too
+
+
+async def _inject_fault(h: PrefillHandoff, state: str, fault: str) -> None:
+    if fault == "client_abort":
+        h.abort_both()
+    elif fault == "kill_prefill":
+        await h.prefill.server.stop(None)  # connections reset; its memory dies with it
+        h.is_prefill_gone = True
+    elif fault in ("kill_decode", "dropped_stream"):
+        await h.end_decode_stream(fault)
+    elif fault == "lease_expiry":
+        h.expire_lease(state)
+    elif fault == "late_duplicate_completion":
+        await h.complete_twice()
+
+
+async def _assert_staging_freed(prefill: Prefill, is_freed_at_once: bool, state: str, fault: str) -> None:
+    """No staging byte outlives the lease; with `is_freed_at_once`, none waits for it."""
+    if is_freed_at_once:
+        # Without the lease: as soon as the prefill side has seen the fault (a cancelled
+        # pull is noticed a moment after the decode side cancels it).
+        try:
+            await asyncio.wait_for(prefill.registry.wait_until_empty(), WAIT_S)
+        except TimeoutError:
+            raise AssertionError(f"{prefill.staging_bytes} staging bytes left after {fault} in {state}") from None
+    prefill.registry.expire(now=time.monotonic() + 2 * LEASE_S)
+    assert prefill.staging_bytes == 0 and prefill.registry.num_transfers == 0, "staging outlived the lease"
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("state", STATES)
 async def test_every_state_survives_every_fault(prefill: Prefill, state: str, fault: str) -> None:
     # The pull is started first in every state: before registration it waits for it.
-    decode = Decode(prefill.address) if state in ("unregistered", "pulling") else None
+    h = PrefillHandoff(prefill, Decode(prefill.address) if state in ("unregistered", "pulling") else None)
     try:
-        transfer = await _enter(state, prefill)
-        is_freed_at_once = True
-        is_prefill_gone = False
-        if fault == "client_abort":
-            # The proxy cancels both calls: the prefill fails its transfer (or refuses the id),
-            # the decode side cancels its pull.
-            if transfer is None:
-                prefill.registry.reject("r", TOKEN, "the prefill request was refused")
-            else:
-                prefill.registry.fail("r", "the prefill request was aborted")
-            if decode is not None:
-                decode.task.cancel()
-        elif fault == "kill_prefill":
-            await prefill.server.stop(None)  # connections reset; its memory dies with it
-            is_prefill_gone = True
-        elif fault in ("kill_decode", "dropped_stream"):
-            if decode is not None:
-                if fault == "kill_decode":
-                    decode.task.cancel()
-                else:
-                    await decode.channel.close()
-            # The proxy releases the staging once the decode stream has ended, whatever happened.
-            prefill.registry.release("r", TOKEN)
-            if transfer is None:
-                # The prefill registers after the release (the rejection is cleared): nobody
-                # will pull it, so only its lease frees it.
-                transfer = prefill.register()
-                prefill.finish(transfer)
-                is_freed_at_once = False
-        elif fault == "lease_expiry":
-            expired = prefill.registry.expire(now=time.monotonic() + 2 * LEASE_S)
-            if state == "pulling":
-                assert expired == [], "the lease expired under a streaming pull"
-                assert transfer is not None
-                prefill.finish(transfer)
-        elif fault == "late_duplicate_completion":
-            if transfer is None:
-                transfer = prefill.register()
-            prefill.finish(transfer)
-            if decode is None:
-                decode = Decode(prefill.address)
-            result = await decode.result()
-            assert result is not None and result.error is None, result
-            prefill.registry.complete("r", FIRST_TOKEN + 1)  # late, duplicated: a no-op
-            assert prefill.registry.release("r", TOKEN) is False  # a late release too
-        if decode is None and not is_prefill_gone:
-            decode = Decode(prefill.address)  # a pull arriving after the fault
-        if decode is not None:
-            result = await decode.result()
-            _assert_right_output_or_clear_error(result, decode, prefill)
+        h.transfer = await _enter(state, prefill)
+        await _inject_fault(h, state, fault)
+        if h.decode is None and not h.is_prefill_gone:
+            h.decode = Decode(prefill.address)  # a pull arriving after the fault
+        if h.decode is not None:
+            result = await h.decode.result()
+            _assert_right_output_or_clear_error(result, h.decode, prefill)
             if fault in ("kill_prefill", "dropped_stream") and result is not None:
                 assert result.error is not None
-        if is_prefill_gone:
-            return
-        if is_freed_at_once:
-            # Without the lease: as soon as the prefill side has seen the fault (a cancelled
-            # pull is noticed a moment after the decode side cancels it).
-            try:
-                await asyncio.wait_for(prefill.registry.wait_until_empty(), WAIT_S)
-            except TimeoutError:
-                raise AssertionError(f"{prefill.staging_bytes} staging bytes left after {fault} in {state}") from None
-        prefill.registry.expire(now=time.monotonic() + 2 * LEASE_S)
-        assert prefill.staging_bytes == 0 and prefill.registry.num_transfers == 0, "staging outlived the lease"
+        if not h.is_prefill_gone:
+            await _assert_staging_freed(prefill, h.is_freed_at_once, state, fault)
     finally:
-        if decode is not None:
-            await decode.close()
+        if h.decode is not None:
+            await h.decode.close()
 
 
 class _Context:
@@ -358,7 +391,7 @@ class Handoff:
 
 
 async def _enter_decode_state(h: Handoff, state: str) -> None:
-    sched = h.pair.decode.scheduler
+    sched = h.pair.decode.core.scheduler
     if state == "recompute":
         h.add_decode(dead_address())  # the prefill never comes: the pull fails at once
         await h.step_decode_until(
@@ -408,7 +441,7 @@ async def _inject_decode_fault(h: Handoff, fault: str) -> None:
 
 def _assert_decode_free(h: Handoff) -> None:
     engine = h.pair.decode
-    assert engine.num_free_blocks == engine.num_blocks and engine.scheduler.kv.block_tables == {}, (
+    assert engine.num_free_blocks == engine.num_blocks and engine.core.scheduler.kv.block_tables == {}, (
         "decode blocks leaked"
     )
 

@@ -1,6 +1,6 @@
 """The decode side's pull against a fake prefill server: well-formed streams land in the
 right blocks; every malformed chunk header, payload or first token is refused before it
-touches the cache (DESIGN.md: receivers validate everything a peer sends)."""
+touches the cache (docs/kv_handoff.md: receivers validate everything a peer sends)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from kvservice.connector.decode_connector import DecodeKVConnector
 from kvservice.connector.kv_puller import LoadSpec, pull_kv
 from kvservice.core.kv_cache_manager import cdiv
 from kvservice.core.outputs import KVTransferCounters
-from kvservice.engine.engine import LLMEngine
+from kvservice.engine.engine_builder import build_engine
 from kvservice.loading.model_files import TINY_CONFIG
 from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.v1 import kvservice_pb2 as pb
@@ -229,7 +229,7 @@ async def test_a_dead_peer_holds_up_neither_other_peers_nor_its_own_deadlines() 
     await dead.server.start()
     await healthy.server.start()
     connector = DecodeKVConnector(LAYOUT, transfer_timeout=timeout, max_concurrent_pulls=1)
-    engine = AsyncLLMEngine(LLMEngine("tiny", DECODE_CONFIG, connector))
+    engine = AsyncLLMEngine(build_engine("tiny", DECODE_CONFIG, connector))
     connector.on_load_done = engine.wake
     engine.start()
 

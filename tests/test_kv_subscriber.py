@@ -16,7 +16,7 @@ from conftest import serving_worker, wait_for
 from kvservice.config import EngineConfig
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.async_engine import AsyncLLMEngine
-from kvservice.engine.engine import LLMEngine
+from kvservice.engine.engine_builder import build_engine
 from kvservice.server.kv_events import KVEventPublisher
 from kvservice.server.proxy.kv_subscriber import KVEventSubscriptions
 from kvservice.server.proxy.worker_pool import WorkerHandle, WorkerPool
@@ -80,8 +80,8 @@ class Setup:
 
 @pytest_asyncio.fixture
 async def setup() -> AsyncIterator[Setup]:
-    engine = LLMEngine("tiny", CONFIG)
-    publisher = KVEventPublisher(asyncio.get_running_loop(), CONFIG.block_size, engine.kv_hash_seed)
+    engine = build_engine("tiny", CONFIG)
+    publisher = KVEventPublisher(asyncio.get_running_loop(), CONFIG.block_size, engine.core.kv_hash_seed)
     async_engine = AsyncLLMEngine(engine, kv_events_sink=publisher.publish)
     async_engine.start()
     worker = FaultyWorker(async_engine, publisher)

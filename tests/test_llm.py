@@ -87,7 +87,7 @@ def test_stop_string_cuts_the_text_and_frees_the_blocks(llm: LLM, full: RequestO
     num_tokens = tokens_until(full.token_ids, stop)
     assert out.token_ids == full.token_ids[:num_tokens] and num_tokens < NUM_TOKENS
     assert llm.engine.num_free_blocks == llm.engine.num_blocks
-    assert llm.engine.scheduler.num_unfinished == 0
+    assert llm.engine.core.scheduler.num_unfinished == 0
 
 
 def test_first_of_two_stop_strings_wins(llm: LLM, full: RequestOutput) -> None:
@@ -155,7 +155,7 @@ def test_stop_string_with_speculative_decoding(full: RequestOutput) -> None:
     [out] = llm.generate(STOP_PROMPT, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, stop=stop))
     assert out.finish_reason == "stop" and out.text == full.text[: full.text.index(stop)]
     assert out.token_ids == full.token_ids[: tokens_until(full.token_ids, stop)]
-    assert llm.engine.scheduler.num_accepted_tokens > 0
+    assert llm.engine.core.scheduler.num_accepted_tokens > 0
     assert llm.engine.num_free_blocks == llm.engine.num_blocks
 
 

@@ -64,7 +64,7 @@ def test_greedy_matches_transformers_through_chunking_and_preemption(
     assert all(len(set(r)) > 3 for r in expected)
 
     llm = LLM(str(path), **SMALL_ENGINE)
-    log = ScheduleLog(llm.engine.scheduler)
+    log = ScheduleLog(llm.engine.core.scheduler)
     outputs = llm.generate(prompts, GREEDY)
 
     assert log.partial_prefills, "no prompt was split across steps"
@@ -76,8 +76,8 @@ def test_greedy_matches_transformers_through_chunking_and_preemption(
         assert out.finish_reason == "length"
         assert out.token_ids == ref, f"prompt of {len(prompt)} tokens"
     assert llm.engine.num_free_blocks == llm.engine.num_blocks
-    assert llm.engine.scheduler.num_unfinished == 0
-    assert not llm.engine.scheduler.requests
+    assert llm.engine.core.scheduler.num_unfinished == 0
+    assert not llm.engine.core.scheduler.requests
 
 
 def test_block_size_does_not_change_output(llama_dir: pathlib.Path) -> None:
@@ -91,9 +91,9 @@ def test_block_size_does_not_change_output(llama_dir: pathlib.Path) -> None:
 
 def test_bfloat16_generates_every_requested_token(llama_dir: pathlib.Path) -> None:
     llm = LLM(str(llama_dir), dtype="bfloat16", **SMALL_ENGINE)
-    assert llm.engine.loaded.dtype == torch.bfloat16
-    assert all(p.dtype == torch.bfloat16 for p in llm.engine.loaded.model.parameters())
-    assert all(c.dtype == torch.bfloat16 for c in llm.engine.kv_caches)
+    assert llm.engine.core.loaded.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in llm.engine.core.loaded.model.parameters())
+    assert all(c.dtype == torch.bfloat16 for c in llm.engine.core.kv_caches)
     prompts = random_prompts(PROMPT_LENGTHS)
     outputs = llm.generate(prompts, GREEDY)
     assert [len(o.token_ids) for o in outputs] == [MAX_TOKENS] * len(prompts)
@@ -105,8 +105,8 @@ def test_bfloat16_generates_every_requested_token(llama_dir: pathlib.Path) -> No
 def test_auto_dtype_is_the_checkpoints(dtype: torch.dtype, tmp_path: pathlib.Path) -> None:
     path = save_random_model("llama_tied", tmp_path / "m", dtype=dtype)
     llm = LLM(str(path), num_blocks=8)
-    assert llm.engine.loaded.dtype == dtype
-    assert llm.engine.loaded.model.model.embed_tokens.weight.dtype == dtype
+    assert llm.engine.core.loaded.dtype == dtype
+    assert llm.engine.core.loaded.model.model.embed_tokens.weight.dtype == dtype
     [out] = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out.token_ids) == 4
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import require_cpu_kernels
 
 from kvservice.loading.model_files import TINY_CONFIG
 from kvservice.loading.model_loader import load_model
 from kvservice.model import model as model_module
 from kvservice.model.attention import AttentionMetadata, PrefillSpan, write_kv
-from kvservice.model.cpu_kernels import load_cpu_kernels
 from kvservice.model.model import CausalLM, Linear, RMSNorm
 from kvservice.model.rotary import RotaryEmbedding
 
@@ -55,8 +55,7 @@ def test_bfloat16_widened_matches_the_bfloat16_matmuls(monkeypatch: pytest.Monke
 
 @pytest.fixture(scope="module")
 def kernels() -> None:
-    if not load_cpu_kernels():
-        pytest.skip("the C++ kernels did not build here (the PyTorch path serves)")
+    require_cpu_kernels()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

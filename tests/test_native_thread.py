@@ -8,9 +8,9 @@ import threading
 
 import pytest
 import torch
+from conftest import require_cpu_kernels
 
-from kvservice.core.native_thread import name_native_thread
-from kvservice.model.cpu_kernels import load_cpu_kernels
+from kvservice.runtime.native_thread import name_native_thread
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")
 
@@ -43,8 +43,7 @@ def test_a_long_name_is_cut_to_what_the_kernel_keeps() -> None:
 
 
 def test_the_kernel_pool_workers_are_named() -> None:
-    if not load_cpu_kernels():
-        pytest.skip("the C++ kernels did not build here (the PyTorch path serves)")
+    require_cpu_kernels()
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -40,26 +40,26 @@ def test_each_sequence_equals_the_request_alone_with_its_seed(enable_prefix_cach
 def test_the_prompt_runs_once_and_its_blocks_are_shared() -> None:
     llm = tiny(enable_prefix_caching=False)  # sharing must not depend on the prefix cache
     engine = llm.engine
-    free_at_start = engine.scheduler.kv.num_free_blocks
+    free_at_start = engine.core.scheduler.kv.num_free_blocks
     request_id = engine.add_request(PROMPT, SEEDED)
     sequence_ids = [request_id, *(f"{request_id}/{i}" for i in range(1, N))]
     num_prompt_tokens_computed = 0
     tables: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
-        scheduler_output = engine.scheduler.schedule()
+        scheduler_output = engine.core.scheduler.schedule()
         num_prompt_tokens_computed += sum(
             min(s.num_new_tokens, max(0, len(PROMPT) - s.request.num_computed_tokens))
             for s in scheduler_output.scheduled
         )
-        runner_output = engine.runner.execute_model(scheduler_output)
-        engine.scheduler.update_from_output(
+        runner_output = engine.core.runner.execute_model(scheduler_output)
+        engine.core.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids, runner_output.kv_connector_output
         )
         tables.update(
             {
-                r: list(engine.scheduler.kv.get_block_ids(r))
+                r: list(engine.core.scheduler.kv.get_block_ids(r))
                 for r in sequence_ids
-                if engine.scheduler.kv.get_block_ids(r)
+                if engine.core.scheduler.kv.get_block_ids(r)
             }
         )
     leader_blocks = tables[request_id][:NUM_SHARED_BLOCKS]
@@ -69,7 +69,7 @@ def test_the_prompt_runs_once_and_its_blocks_are_shared() -> None:
     assert len(set(tails)) == len(tails) == N
     # The prompt once, plus each sibling's tail past the shared blocks.
     assert num_prompt_tokens_computed == len(PROMPT) + (N - 1) * (len(PROMPT) - NUM_SHARED_BLOCKS * BLOCK_SIZE)
-    assert engine.scheduler.kv.num_free_blocks == free_at_start
+    assert engine.core.scheduler.kv.num_free_blocks == free_at_start
 
 
 def test_greedy_sequences_are_all_the_greedy_answer() -> None:
@@ -84,7 +84,7 @@ def test_greedy_sequences_are_all_the_greedy_answer() -> None:
 def test_abort_ends_every_sequence_and_frees_every_block() -> None:
     llm = tiny(enable_prefix_caching=False)
     engine = llm.engine
-    free_at_start = engine.scheduler.kv.num_free_blocks
+    free_at_start = engine.core.scheduler.kv.num_free_blocks
     request_id = engine.add_request(PROMPT, dataclasses.replace(SEEDED, max_tokens=50))
     outputs = engine.step() + engine.step()
     assert engine.abort_request(request_id)
@@ -93,7 +93,7 @@ def test_abort_ends_every_sequence_and_frees_every_block() -> None:
     ends = [o for o in outputs if o.finished]
     assert sorted(o.index for o in ends) == list(range(N)) and all(o.finish_reason == "abort" for o in ends)
     assert [o.all_finished for o in ends].count(True) == 1 and ends[-1].all_finished
-    assert engine.scheduler.kv.num_free_blocks == free_at_start
+    assert engine.core.scheduler.kv.num_free_blocks == free_at_start
 
 
 @pytest.mark.parametrize("n", [0, MAX_N + 1, True])

@@ -64,10 +64,10 @@ def shared_prefix_prompts(seed: int = 7, vocab_size: int = 512) -> list[list[int
 
 
 def assert_all_blocks_back(engine: LLMEngine) -> None:
-    pool = engine.scheduler.kv.block_pool
+    pool = engine.core.scheduler.kv.block_pool
     assert all(block.ref_cnt == 0 for block in pool.blocks)
     assert engine.num_free_blocks == engine.num_blocks
-    assert engine.scheduler.kv.block_tables == {}
+    assert engine.core.scheduler.kv.block_tables == {}
 
 
 # ---------------------------------------------------------------- block keys
@@ -130,10 +130,10 @@ def test_cached_prefixes_change_no_token_through_chunking_and_preemption(llama_d
         outputs = llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in outputs] == expected, f"round {round_}"
         assert_all_blocks_back(llm.engine)
-    stats = llm.engine.scheduler.make_stats()
+    stats = llm.engine.core.scheduler.make_stats()
     assert stats.num_preemptions > 0, "no request was preempted: the engine is too large for this test"
     assert stats.prefix_cache.hits > 0
-    assert uncached.engine.scheduler.make_stats().prefix_cache.hits == 0
+    assert uncached.engine.core.scheduler.make_stats().prefix_cache.hits == 0
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token(llama_dir: pathlib.Path) -> None:
@@ -142,7 +142,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_token(llama_dir: pathlib.
     first = llm.generate(prompt, GREEDY)[0]
     engine = llm.engine
     request_id = engine.add_request(prompt, GREEDY)
-    request = engine.scheduler.requests[request_id]
+    request = engine.core.scheduler.requests[request_id]
     engine.step()
     assert request.num_cached_tokens == 16, "the block holding the last prompt token must be computed"
     while engine.has_unfinished_requests():
@@ -159,7 +159,7 @@ def test_the_next_turn_finds_the_previous_answer(llama_dir: pathlib.Path) -> Non
     next_turn = history + random_prompts([6], seed=6)[0]
     engine = llm.engine
     request_id = engine.add_request(next_turn, GREEDY)
-    request = engine.scheduler.requests[request_id]
+    request = engine.core.scheduler.requests[request_id]
     engine.step()
     assert request.num_cached_tokens == 32  # two full blocks, the second one filled while decoding
     while engine.has_unfinished_requests():
@@ -205,7 +205,7 @@ def test_speculative_decoding_over_cached_prefixes_matches_plain_greedy(
     for _ in range(2):
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
         assert_all_blocks_back(llm.engine)
-    scheduler = llm.engine.scheduler
+    scheduler = llm.engine.core.scheduler
     assert scheduler.num_draft_tokens > 0 and scheduler.make_stats().prefix_cache.hits > 0
 
 
@@ -245,7 +245,7 @@ async def test_the_decode_worker_pulls_only_the_blocks_it_lacks() -> None:
             pulled_blocks[request_id] = sent // LAYOUT.bytes_per_block
         assert pair.decode_connector.stats.num_failed_transfers == 0, "a pull failed: the output came from a recompute"
         # The prefill worker used its own cache too: it skipped what it had computed before.
-        assert pair.prefill.scheduler.make_stats().prefix_cache.hits >= 24 + 32 + 24
+        assert pair.prefill.core.scheduler.make_stats().prefix_cache.hits >= 24 + 32 + 24
         pair.assert_everything_free()
     assert pulled_blocks == {
         "first": 5,

@@ -8,21 +8,21 @@ import argparse
 import pytest
 
 from kvservice.config import EngineConfig
-from kvservice.connector.base import KVConnectorBase
 from kvservice.core.request import RequestStatus
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine, RequestOutput
+from kvservice.engine.engine_builder import build_engine
 from kvservice.worker.prompt_lane import PromptLane
 from server import worker_server
 from server.stats import engine_stats
-from tests.recording_connector import RecordingConnector
+from tests.recording_connector import REMOTE, RecordingConnector
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [list(range(1, 40)), list(range(50, 53)), list(range(7, 100)), [5, 6]]
 
 
 def _engine(prompt_lane: bool, **config: object) -> LLMEngine:
-    return LLMEngine("tiny", EngineConfig(num_blocks=64, prompt_lane=prompt_lane, **config))  # type: ignore[arg-type]
+    return build_engine("tiny", EngineConfig(num_blocks=64, prompt_lane=prompt_lane, **config))  # type: ignore[arg-type]
 
 
 def _run(engine: LLMEngine) -> dict[str, RequestOutput]:
@@ -33,8 +33,8 @@ def _run(engine: LLMEngine) -> dict[str, RequestOutput]:
 
 
 def _lane(engine: LLMEngine) -> PromptLane:
-    assert engine.prompt_lane is not None
-    return engine.prompt_lane
+    assert engine.core.prompt_lane is not None
+    return engine.core.prompt_lane
 
 
 def test_the_lane_samples_what_chunked_prompts_sample_and_frees_every_block() -> None:
@@ -69,7 +69,7 @@ def test_a_colocated_workers_stats_count_lane_prompts_as_waiting_not_as_pulling_
     engine = _engine(True, step_target_ms=0.001)  # every slice runs one op: the prompt stays in the lane
     engine.add_request(PROMPTS[2], GREEDY, "prompt")
     engine.step()
-    assert engine.scheduler.requests["prompt"].status is RequestStatus.WAITING_FOR_REMOTE_KV
+    assert engine.core.scheduler.requests["prompt"].status is RequestStatus.WAITING_FOR_PROMPT_LANE
     stats = engine_stats(engine, "both")
     assert (stats.num_waiting_requests, stats.num_waiting_for_remote_kv, stats.num_running_requests) == (1, 0, 0)
     _run(engine)
@@ -82,11 +82,11 @@ def test_decode_steps_run_between_the_slices_of_a_prompt_batch() -> None:
     engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), "decoding")
     engine.step()
     engine.step()
-    assert engine.scheduler.requests["decoding"].status is RequestStatus.RUNNING
+    assert engine.core.scheduler.requests["decoding"].status is RequestStatus.RUNNING
     engine.add_request(PROMPTS[2], GREEDY, "prompt")
     lane = _lane(engine)
     tokens_while_in_lane = 0
-    while engine.scheduler.requests["prompt"].status is not RequestStatus.RUNNING:
+    while engine.core.scheduler.requests["prompt"].status is not RequestStatus.RUNNING:
         outputs = engine.step()
         tokens_while_in_lane += sum(len(o.new_token_ids) for o in outputs if o.request_id == "decoding")
     # The tiny model's 2 layers: 4 pause points each, a slice per op, a decode step after each slice.
@@ -106,16 +106,16 @@ def test_aborting_a_request_in_the_lane_frees_its_blocks_once_the_forward_is_don
     lane = _lane(engine)
     assert [p.request_id for p in lane._batch] == ["in_flight"] and [p.request_id for p in lane._queue] == ["queued"]
     free_before = engine.num_free_blocks
-    num_queued_blocks = len(engine.scheduler.kv.get_block_ids("queued"))
+    num_queued_blocks = len(engine.core.scheduler.kv.get_block_ids("queued"))
     assert engine.abort_request("queued") and engine.abort_request("in_flight")
     outputs = engine.step()
     assert {o.request_id for o in outputs if o.finish_reason == "abort"} == {"queued", "in_flight"}
     assert num_queued_blocks == 4 and engine.num_free_blocks == free_before + 4  # the queued one's; the other's wait
-    assert "in_flight" in engine.scheduler.pending_free
+    assert "in_flight" in engine.core.scheduler.pending_free
     while lane.has_work:
         engine.step()
     engine.step()
-    assert not engine.scheduler.pending_free
+    assert not engine.core.scheduler.pending_free
     _run(engine)
     assert engine.num_free_blocks == engine.num_blocks
 
@@ -138,14 +138,30 @@ def test_the_lane_keeps_to_max_num_seqs() -> None:
         engine.add_request(prompt, GREEDY, f"r{i}")
     while engine.has_unfinished_requests():
         engine.step()
-        assert len(engine.scheduler.running) + len(engine.scheduler.waiting_for_remote_kv) <= 2
+        scheduler = engine.core.scheduler
+        assert len(scheduler.running) + len(scheduler.in_prompt_lane) + len(scheduler.waiting_for_remote_kv) <= 2
     assert engine.num_free_blocks == engine.num_blocks
 
 
-def test_the_lane_is_a_colocated_engines_own() -> None:
-    connector: KVConnectorBase = RecordingConnector()
-    with pytest.raises(ValueError, match="prompt_lane"):
-        LLMEngine("tiny", EngineConfig(num_blocks=64, prompt_lane=True), connector)
+def test_a_colocated_engine_keeps_its_lane_beside_a_kv_connector() -> None:
+    """The lane is the scheduler's own path: a connector (a KV source) may sit beside it, and the
+    requests it does not load still run their prompts in the lane."""
+    connector = RecordingConnector()
+    engine = build_engine("tiny", EngineConfig(num_blocks=64, prompt_lane=True), connector)
+    engine.add_request(PROMPTS[0], GREEDY, "loaded", {REMOTE: True})
+    engine.add_request(PROMPTS[2], GREEDY, "r")
+    engine.step()
+    scheduler = engine.core.scheduler
+    assert scheduler.requests["loaded"].status is RequestStatus.WAITING_FOR_REMOTE_KV
+    assert scheduler.requests["r"].status in (RequestStatus.WAITING_FOR_PROMPT_LANE, RequestStatus.RUNNING)
+    assert ("start_load_kv",) in connector.calls
+    assert engine.abort_request("loaded")
+    outputs = _run(engine)
+    assert _lane(engine).num_batches == 1
+    reference = _engine(False)
+    reference.add_request(PROMPTS[2], GREEDY, "r")
+    assert outputs["r"].token_ids == _run(reference)["r"].token_ids
+    assert engine.num_free_blocks == engine.num_blocks
 
 
 @pytest.mark.parametrize(

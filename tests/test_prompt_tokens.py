@@ -33,7 +33,7 @@ def test_prompt_hashes_match_the_blocks_a_worker_caches(kind: str) -> None:
     assert token_ids == engine.encode(prompt)
     llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0))
     cached = {event.block_hashes[0] for event in engine.kv_cache_snapshot()}
-    hashes = block_hashes(token_ids, 8, engine.kv_hash_seed)
+    hashes = block_hashes(token_ids, 8, engine.core.kv_hash_seed)
     assert len(hashes) >= 4 and set(hashes) <= cached
 
 

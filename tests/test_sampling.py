@@ -62,7 +62,7 @@ def test_empty_prompt_is_refused(tiny: LLM) -> None:
         tiny.generate([[]])
     with pytest.raises(ValueError, match="prompt: empty"):
         tiny.engine.add_request([], SamplingParams())
-    assert tiny.engine.scheduler.num_unfinished == 0
+    assert tiny.engine.core.scheduler.num_unfinished == 0
 
 
 def test_prompt_at_the_max_model_len_is_refused(tiny: LLM) -> None:
@@ -91,7 +91,7 @@ def test_a_bad_prompt_in_a_batch_leaves_the_engine_clean() -> None:
     expected = tiny.generate(OTHER_PROMPTS, greedy)
     with pytest.raises(ValueError, match="prompt_token_ids"):
         tiny.generate([*OTHER_PROMPTS, [999]], greedy)
-    assert tiny.engine.scheduler.num_unfinished == 0
+    assert tiny.engine.core.scheduler.num_unfinished == 0
     assert tiny.engine.num_free_blocks == tiny.engine.num_blocks
     again = tiny.generate(OTHER_PROMPTS, greedy)
     assert [o.token_ids for o in again] == [o.token_ids for o in expected]

@@ -17,8 +17,9 @@ def _switch(time: float, cpu: int, prev: tuple[str, int], state: str, nxt: tuple
     (prev_comm, prev_tid), (next_comm, next_tid) = prev, nxt
     pid = 100 if prev_tid else 0
     return (
-        f"{prev_comm:>16} {pid}/{prev_tid} [{cpu:03d}] {time:.6f}: sched:sched_switch: prev_comm={prev_comm} prev_pid={prev_tid} "
-        f"prev_prio=120 prev_state={state} ==> next_comm={next_comm} next_pid={next_tid} next_prio=120\n{_KERNEL}{frames}\n"
+        f"{prev_comm:>16} {pid}/{prev_tid} [{cpu:03d}] {time:.6f}: sched:sched_switch: "
+        f"prev_comm={prev_comm} prev_pid={prev_tid} prev_prio=120 prev_state={state} ==> "
+        f"next_comm={next_comm} next_pid={next_tid} next_prio=120\n{_KERNEL}{frames}\n"
     )
 
 

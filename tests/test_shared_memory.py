@@ -14,10 +14,11 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from corrupting_prefill import corrupting_every
 
 from kvservice.connector import shared_memory, wire
 from kvservice.connector.kv_puller import LoadSpec, pull_kv
-from kvservice.connector.kv_transfer_service import FAULT_CORRUPT_CHUNK_EVERY, KVTransferService
+from kvservice.connector.kv_transfer_service import KVTransferService
 from kvservice.connector.prefill_connector import PrefillConnectorMetadata, PrefillKVConnector, SaveSpec
 from kvservice.connector.shared_memory import (
     CONTROL_BYTES,
@@ -160,9 +161,13 @@ class _Prefill:
     `KVTransferService` (or by `frames`, a fake server, when given)."""
 
     def __init__(
-        self, num_tokens: int, frames: Callable[[pb.PullKVRequest], list[bytes]] | None = None, num_staged: int = 1
+        self,
+        num_tokens: int,
+        frames: Callable[[pb.PullKVRequest], list[bytes]] | None = None,
+        num_staged: int = 1,
+        service: Callable[[TransferRegistry], KVTransferService] = KVTransferService,
     ) -> None:
-        """`num_staged`: transfers its staging holds at once."""
+        """`num_staged`: transfers its staging holds at once; `service`: builds the PullKV service."""
         self.num_tokens = num_tokens
         self.num_blocks = LAYOUT.num_blocks_for(num_tokens)
         self.kv_caches = allocate_kv_caches(LAYOUT, self.num_blocks, torch.device("cpu"))
@@ -170,7 +175,7 @@ class _Prefill:
         for kv_layer in self.kv_caches:
             kv_layer.normal_(generator=gen)
         self.registry = TransferRegistry(StagingPool(num_staged * self.num_blocks * LAYOUT.bytes_per_block), LAYOUT)
-        self.service = KVTransferService(self.registry)
+        self.service = service(self.registry)
         self.frames = frames
         self.requests: list[pb.PullKVRequest] = []
 
@@ -293,15 +298,13 @@ async def test_a_segment_whose_pull_failed_or_was_not_used_is_never_offered_agai
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     segments = SegmentPool()
-    monkeypatch.setenv(FAULT_CORRUPT_CHUNK_EVERY, "2")
-    prefill = _Prefill(num_tokens=9, num_staged=3)  # its service corrupts every second chunk
+    prefill = _Prefill(num_tokens=9, num_staged=3, service=corrupting_every(2))  # corrupts every second chunk
     try:
         async with _serving(prefill) as address:
             prefill.stage("bad", token := secrets.token_bytes(16), 1)
             error, _, _ = await _pull(prefill, "bad", token, address, segments)
             assert error is not None  # the prefill worker may still write into that ring: not reused
-            monkeypatch.delenv(FAULT_CORRUPT_CHUNK_EVERY)
-            prefill.service = KVTransferService(prefill.registry)  # read the fault setting again; nothing open
+            prefill.service = KVTransferService(prefill.registry)  # a sound service; nothing open
 
             def elsewhere(name: str) -> SharedSegment:
                 raise SharedMemoryUnavailable(f"cannot open {name}")
@@ -333,9 +336,8 @@ async def test_a_prefill_that_cannot_open_the_segment_streams_the_bytes(monkeypa
     assert error is None and counters.num_bytes == 3 * 3 * BLOCK and counters.num_shared_memory_bytes == 0
 
 
-async def test_a_corrupted_byte_in_the_segment_fails_the_pull(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(FAULT_CORRUPT_CHUNK_EVERY, "2")
-    prefill = _Prefill(num_tokens=9)
+async def test_a_corrupted_byte_in_the_segment_fails_the_pull() -> None:
+    prefill = _Prefill(num_tokens=9, service=corrupting_every(2))
     token = secrets.token_bytes(16)
     prefill.stage("r", token, 1)
     error, _, _ = await _pull(prefill, "r", token)

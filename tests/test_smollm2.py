@@ -114,10 +114,10 @@ def test_smollm2_bfloat16_kernel_is_as_close_to_float32_as_the_dense_path(
     prompts = [chat_ids(smollm2_hf_tokenizer, c) for c in CONVERSATIONS]
     [answer] = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=48))
     assert "Paris" in answer.text and answer.finish_reason == "stop"
-    model = llm.engine.loaded.model
+    model = llm.engine.core.loaded.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert all(m.block_quant is not None and m.compute_weight is None for m in linears)  # the kernel needs no copy
-    reference = torch.cat([prefill_logits(smollm2_llm.engine.loaded.model, p) for p in prompts])
+    reference = torch.cat([prefill_logits(smollm2_llm.engine.core.loaded.model, p) for p in prompts])
     with_kernel = torch.cat([prefill_logits(model, p) for p in prompts])
     for module in linears:
         module.block_quant = None
@@ -163,10 +163,10 @@ def test_smollm2_tokenizer_matches_transformers(smollm2_llm: LLM, smollm2_hf_tok
 @pytest.mark.slow  # parsing the real file's 49k tokens takes seconds
 def test_smollm2_config_and_name(smollm2_file: pathlib.Path, smollm2_llm: LLM) -> None:
     config = load_model_config("smollm2")
-    assert smollm2_llm.engine.loaded.config == config
+    assert smollm2_llm.engine.core.loaded.config == config
     # Served as the preset's name, not the GGUF's `general.name` ("Smollm2 135M 8k Lc100K Mix1 Ep2");
     # the file itself by its stem.
-    assert smollm2_llm.engine.loaded.name == "smollm2"
+    assert smollm2_llm.engine.core.loaded.name == "smollm2"
     assert model_name(str(smollm2_file)) == smollm2_file.stem == "SmolLM2-135M-Instruct.Q4_1"
     assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (30, 576, 9)
     assert (config.num_key_value_heads, config.head_dim, config.vocab_size) == (3, 64, 49152)
@@ -218,7 +218,7 @@ def test_smollm2_decode_layer_calls_give_the_per_op_paths_numbers(
         monkeypatch.setattr(
             torch.ops.kvservice, name, lambda *args, name=name, original=original: calls.append(name) or original(*args)
         )
-    num_layers = smollm2_llm.engine.loaded.model.config.num_hidden_layers
+    num_layers = smollm2_llm.engine.core.loaded.model.config.num_hidden_layers
     hooks = _LayerHooks()
     run_layers = model_module.run_decode_layers
     for batch in (prompts[:1], prompts):
@@ -249,10 +249,10 @@ def test_smollm2_decode_layer_refuses_a_slot_outside_the_cache(smollm2_llm: LLM)
     """The decode layer writes this step's K/V rows itself: a slot past the cache's end (or
     negative) is an error, not a write outside the tensor; an in-range slot gets the row."""
     engine = smollm2_llm.engine
-    model = engine.loaded.model
+    model = engine.core.loaded.model
     args = model._build_decode_layer_args()
     assert args is not None, "SmolLM2's projections are block-quantized"
-    kv_layer = torch.zeros_like(engine.kv_caches[0][:, :2])  # 2 blocks of its own
+    kv_layer = torch.zeros_like(engine.core.kv_caches[0][:, :2])  # 2 blocks of its own
     num_slots = kv_layer.shape[1] * kv_layer.shape[2]
     hidden = model.config.hidden_size
     gen = torch.Generator().manual_seed(0)

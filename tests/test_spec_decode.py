@@ -15,7 +15,7 @@ from test_connector_lifecycle import RecordingConnector
 
 from kvservice import LLM, SamplingParams
 from kvservice.config import EngineConfig
-from kvservice.engine.engine import LLMEngine
+from kvservice.engine.engine_builder import build_engine
 from kvservice.worker.rejection_sampler import verify_draft_tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -50,7 +50,7 @@ def test_greedy_speculation_equals_plain_greedy_with_rejections(models: tuple[pa
     llm = LLM(str(target), draft_model=str(draft), num_speculative_tokens=3, **ENGINE)
     spec = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    scheduler = llm.engine.scheduler
+    scheduler = llm.engine.core.scheduler
     # Both verdicts happened: some drafts accepted, some rejected.
     assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
     assert llm.engine.num_free_blocks == llm.engine.num_blocks
@@ -61,7 +61,7 @@ def test_a_draft_identical_to_the_target_is_always_accepted(models: tuple[pathli
     llm = LLM(str(target), draft_model=str(target), num_speculative_tokens=4, **ENGINE)
     out = llm.generate(random_prompts([9, 20], seed=4), GREEDY)
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in out)
-    scheduler = llm.engine.scheduler
+    scheduler = llm.engine.core.scheduler
     assert scheduler.num_draft_tokens > 0 and scheduler.num_accepted_tokens == scheduler.num_draft_tokens
 
 
@@ -128,8 +128,8 @@ def test_wait_for_save_runs_after_the_draft_pass_and_outputs_reach_the_scheduler
     target, draft = models
     connector = RecordingConnector(delay_free=True)
     config = EngineConfig(draft_model=str(draft), num_speculative_tokens=2, **ENGINE)
-    engine = LLMEngine(str(target), config, connector)
-    drafter = engine.runner.drafter
+    engine = build_engine(str(target), config, connector)
+    drafter = engine.core.runner.drafter
     assert drafter is not None
     original = drafter.propose
 
@@ -145,7 +145,7 @@ def test_wait_for_save_runs_after_the_draft_pass_and_outputs_reach_the_scheduler
     assert names.index("wait_for_save") > names.index("draft_pass")  # finalize waited after the draft
     assert names.index("clear_connector_metadata") > names.index("wait_for_save")
     # Finish the request; its blocks stay until the connector reports finished_sending.
-    while engine.scheduler.num_unfinished:
+    while engine.core.scheduler.num_unfinished:
         engine.step()
     assert engine.num_free_blocks < engine.num_blocks
     connector.report_sending = {"r"}
@@ -163,14 +163,14 @@ def test_decode_worker_with_a_draft_recomputes_the_draft_kv(models: tuple[pathli
     engine = spec_llm.engine
     # Prefill with the target only, as a prefill worker would, by running one step with
     # the drafter detached; then re-attach it: its KV for the prompt is missing.
-    drafter, engine.runner.drafter = engine.runner.drafter, None
+    drafter, engine.core.runner.drafter = engine.core.runner.drafter, None
     engine.add_request(prompts[0], GREEDY, "r")
     engine.step()
-    request = engine.scheduler.requests["r"]
+    request = engine.core.scheduler.requests["r"]
     assert request.num_draft_computed_tokens == 0
-    engine.runner.drafter = drafter
+    engine.core.runner.drafter = drafter
     tokens: list[int] = list(request.output_token_ids)
-    while engine.scheduler.num_unfinished:
+    while engine.core.scheduler.num_unfinished:
         for out in engine.step():
             if out.finished:
                 tokens = out.token_ids

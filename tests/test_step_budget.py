@@ -83,10 +83,10 @@ def test_the_scheduler_chunks_prompts_by_the_budget_while_requests_decode() -> N
 
 def test_the_engine_reports_every_step_it_timed() -> None:
     llm = LLM("tiny", step_target_ms=50.0)
-    budget = llm.engine.scheduler.step_budget
+    budget = llm.engine.core.scheduler.step_budget
     assert isinstance(budget, StepTimeBudget)
     llm.generate([list(range(3, 40)), list(range(5, 9))], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert budget._num_steps >= 6 and budget._num_prompt_steps >= 1
-    assert isinstance(LLM("tiny", step_target_ms=None).engine.scheduler.step_budget, FixedStepBudget)
+    assert isinstance(LLM("tiny", step_target_ms=None).engine.core.scheduler.step_budget, FixedStepBudget)
     with pytest.raises(ValueError, match="step_target_ms"):
         LLM("tiny", step_target_ms=-1.0)

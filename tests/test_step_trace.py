@@ -15,22 +15,22 @@ from conftest import load_repo_module
 
 from kvservice.config import EngineConfig
 from kvservice.core.sampling_params import SamplingParams
-from kvservice.engine.engine import LLMEngine
+from kvservice.engine.engine_builder import build_engine
 from kvservice.engine.step_trace import TRACE_DIR_ENV, StepTrace
 
 
 def test_off_unless_the_variable_names_a_directory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(TRACE_DIR_ENV, raising=False)
     assert StepTrace.from_env() is None
-    assert LLMEngine("tiny", EngineConfig(num_blocks=16, max_model_len=64)).step_trace is None
+    assert build_engine("tiny", EngineConfig(num_blocks=16, max_model_len=64)).core.step_trace is None
 
 
 def test_an_engine_records_every_step_that_computed_in_order(
     monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
 ) -> None:
     monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))
-    engine = LLMEngine("tiny", EngineConfig(num_blocks=32, max_model_len=64))
-    trace = engine.step_trace
+    engine = build_engine("tiny", EngineConfig(num_blocks=32, max_model_len=64))
+    trace = engine.core.step_trace
     assert trace is not None and trace.path.parent == tmp_path
     for prompt in ([1, 2, 3, 4], [5, 6]):
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
@@ -49,8 +49,8 @@ def test_a_traced_process_writes_its_file_when_it_exits(tmp_path: pathlib.Path) 
     code = (
         "from kvservice.config import EngineConfig\n"
         "from kvservice.core.sampling_params import SamplingParams\n"
-        "from kvservice.engine.engine import LLMEngine\n"
-        "engine = LLMEngine('tiny', EngineConfig(num_blocks=16, max_model_len=64))\n"
+        "from kvservice.engine.engine_builder import build_engine\n"
+        "engine = build_engine('tiny', EngineConfig(num_blocks=16, max_model_len=64))\n"
         "engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))\n"
         "while engine.has_unfinished_requests():\n"
         "    engine.step()\n"

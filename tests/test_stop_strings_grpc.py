@@ -20,7 +20,7 @@ from conftest import local_cluster
 from kvservice import LLM, SamplingParams
 from kvservice.client.client import GenerateChunk, KVServiceClient
 from kvservice.client.cluster import LocalCluster
-from kvservice.server.proxy.service import _without_first_token
+from kvservice.server.proxy.pair_calls import without_first_token
 from kvservice.v1 import kvservice_pb2 as pb
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -138,7 +138,7 @@ async def test_proxy_keeps_text_the_decode_worker_released_with_its_first_token(
     # The decode worker's first output repeats the prefill's token; when it also ends the
     # request, it carries the text held back until then. The proxy drops only what was sent.
     response = pb.GenerateResponse(token_ids=[7], text="ab", finish_reason=pb.FINISH_REASON_LENGTH)
-    assert _without_first_token(response, "a").text == "b"
-    assert _without_first_token(response, "").text == "ab"
-    assert _without_first_token(response, "x").text == ""  # not a continuation: nothing is shown twice
-    assert list(_without_first_token(response, "a").token_ids) == []
+    assert without_first_token(response, "a").text == "b"
+    assert without_first_token(response, "").text == "ab"
+    assert without_first_token(response, "x").text == ""  # not a continuation: nothing is shown twice
+    assert list(without_first_token(response, "a").token_ids) == []

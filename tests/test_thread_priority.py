@@ -14,7 +14,7 @@ import pytest
 CHILD = textwrap.dedent(
     """
     import json, os, threading
-    from kvservice.core.native_thread import name_native_thread
+    from kvservice.runtime.native_thread import name_native_thread
     from kvservice.runtime.thread_priority import SERVING_NICE, lower_serving_threads
 
     def nice(tid):

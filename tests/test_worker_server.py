@@ -26,7 +26,7 @@ import sys
 from kvservice.engine.engine import LLMEngine
 step = LLMEngine.step
 def failing_step(self):
-    if "boom" in self.scheduler.requests:
+    if "boom" in self.core.scheduler.requests:
         raise RuntimeError("injected step failure")
     return step(self)
 LLMEngine.step = failing_step

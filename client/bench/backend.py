@@ -206,18 +206,21 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend",
         choices=BACKENDS,
         default=GRPC,
-        help="grpc: kvservice's gRPC API (--target); openai: streamed /v1/completions, openai-chat: streamed /v1/chat/completions (--base-url) (default: grpc)",
+        help="grpc: kvservice's gRPC API (--target); openai: streamed /v1/completions, "
+        "openai-chat: streamed /v1/chat/completions (--base-url) (default: grpc)",
     )
     parser.add_argument("--target", metavar="HOST:PORT", help="grpc: the proxy, or a colocated (--role both) worker")
     parser.add_argument(
         "--base-url",
         metavar="URL",
-        help="openai, openai-chat: the server's root, e.g. http://127.0.0.1:8080 (kvservice's HTTP front, vLLM, SGLang)",
+        help="openai, openai-chat: the server's root, e.g. http://127.0.0.1:8080 "
+        "(kvservice's HTTP front, vLLM, SGLang)",
     )
     parser.add_argument(
         "--model",
         default=None,
-        help="the model name: sent in HTTP requests, and in the result file's name (default: HTTP: the first /v1/models lists; grpc: kvservice)",
+        help="the model name: sent in HTTP requests, and in the result file's name "
+        "(default: HTTP: the first /v1/models lists; grpc: kvservice)",
     )
     parser.add_argument(
         "--api-key",
@@ -228,7 +231,8 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stats-target",
         metavar="HOST:PORT",
-        help="HTTP backends: a kvservice proxy's gRPC address to read the KV transfer figures from (default: none; HTTP has no Stats)",
+        help="HTTP backends: a kvservice proxy's gRPC address to read the KV transfer figures from "
+        "(default: none; HTTP has no Stats)",
     )
     add_tls_arguments(parser)
 

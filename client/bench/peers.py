@@ -188,7 +188,8 @@ async def check_sanity(
     seen.update(expected_output_len=probe.expected_output_len, output_len=length.output_len, length_error=length.error)
     if "reason" not in seen and (not length.success or length.output_len != probe.expected_output_len):
         seen["reason"] = (
-            f"asked for {probe.expected_output_len} tokens (EOS ignored), got {length.output_len} {length.error}".rstrip()
+            f"asked for {probe.expected_output_len} tokens (EOS ignored), "
+            f"got {length.output_len} {length.error}".rstrip()
         )
     return "reason" not in seen, seen
 

@@ -100,7 +100,8 @@ def launch_error_message(configuration: Configuration, error: LaunchError) -> st
     """Why a configuration's cluster did not start, naming the proxy flags when the proxy refused them."""
     if error.child == "proxy" and error.returncode == _ARGPARSE_USAGE_EXIT and configuration.proxy_args:
         return (
-            f"configuration {configuration.name!r}: the proxy rejected its flags `{' '.join(configuration.proxy_args)}` "
+            f"configuration {configuration.name!r}: "
+            f"the proxy rejected its flags `{' '.join(configuration.proxy_args)}` "
             "(exit code 2; its own message is above): this kvservice's proxy does not support them yet; "
             "choose other configurations with --configs"
         )
@@ -157,8 +158,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="kv-aware-local: the proxy's --max-local-prefill-tokens (default: --multi-turn-input-len + --multi-turn-output-len, "
-        "what a later turn adds to its history)",
+        help="kv-aware-local: the proxy's --max-local-prefill-tokens "
+        "(default: --multi-turn-input-len + --multi-turn-output-len, what a later turn adds to its history)",
     )
     parser.add_argument(
         "worker_args", nargs=argparse.REMAINDER, help="after '--': extra `kvservice serve` flags for every worker"
@@ -228,7 +229,8 @@ async def _measure(
             raise RuntimeError(launch_error_message(configuration, e)) from None
         results[configuration.name] = result_json(metrics, records, {**extra, **workload_settings(args)})
         print(
-            f"{configuration.name}: {metrics.completed} completed, {metrics.failed} failed in {metrics.duration_s:.1f} s",
+            f"{configuration.name}: {metrics.completed} completed, {metrics.failed} failed "
+            f"in {metrics.duration_s:.1f} s",
             file=sys.stderr,
             flush=True,
         )

@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sample_workload(args: argparse.Namespace, tokenizer: str) -> Workload:
-    """The workload the flags describe (`tokenizer` counts ShareGPT prompts); raises ValueError / OSError on bad input."""
+    """The workload the flags describe (`tokenizer` counts ShareGPT prompts); raises ValueError /
+    OSError on bad input."""
     if args.dataset == SHAREGPT:
         if args.dataset_path is None:
             raise ValueError("--dataset sharegpt needs --dataset-path")
@@ -192,7 +193,8 @@ def _check_backend_flags(args: argparse.Namespace) -> None:
             raise UsageError(f"--backend {args.backend} needs --base-url URL (e.g. http://127.0.0.1:8080)")
         if args.target is not None:
             raise UsageError(
-                f"--target is for --backend grpc; with --backend {args.backend}, --stats-target HOST:PORT reads the KV figures"
+                f"--target is for --backend grpc; with --backend {args.backend}, "
+                "--stats-target HOST:PORT reads the KV figures"
             )
         if args.dataset == MULTI_TURN:
             raise UsageError(

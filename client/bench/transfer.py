@@ -16,7 +16,7 @@ grpc.aio stream of prebuilt bytes moves here, the ceiling of the gRPC path. The 
 processes and their messages live in `transfer_worker`.
 
 Every process starts with the workers' environment (`WORKER_ENV`: malloc tunables and
-passive OpenMP) and one torch thread: DESIGN.md, "Performance targets".
+passive OpenMP) and one torch thread: docs/benchmarks/method.md, "The processes' environment".
 """
 
 from __future__ import annotations
@@ -376,10 +376,12 @@ def main(args: argparse.Namespace) -> int:
     if "shm_gbps" in r:
         print(
             f"same-host shm:      best {r['shm_gbps']:.2f} GB/s, median {r['shm_gbps_median']:.2f}; "
-            f"{r['shm_ratio']:.2f}x raw TCP best, {r['shm_ratio_median']:.2f}x median (--kv-transfer-shm; not the gRPC path)"
+            f"{r['shm_ratio']:.2f}x raw TCP best, {r['shm_ratio_median']:.2f}x median "
+            "(--kv-transfer-shm; not the gRPC path)"
         )
     print(
-        f"CPU per GB (best run): PullKV gRPC sender {r['grpc_sender_cpu_s_per_gb']:.2f} s, receiver {r['grpc_receiver_cpu_s_per_gb']:.2f} s; "
+        f"CPU per GB (best run): PullKV gRPC sender {r['grpc_sender_cpu_s_per_gb']:.2f} s, "
+        f"receiver {r['grpc_receiver_cpu_s_per_gb']:.2f} s; "
         f"plain gRPC receiver {r['plain_grpc_receiver_cpu_s_per_gb']:.2f} s"
         + (
             f"; shm sender {r['shm_sender_cpu_s_per_gb']:.2f} s, receiver {r['shm_receiver_cpu_s_per_gb']:.2f} s"

@@ -48,8 +48,9 @@ def add_workload_arguments(
         dest="dataset",
         choices=DATASETS,
         default=RANDOM,
-        help="prompt source: random token ids, ShareGPT conversations' first turns, prefix_repetition (shared prefixes + own "
-        "suffixes), multi_turn (chats resending their history, gRPC only) (default: random)",
+        help="prompt source: random token ids, ShareGPT conversations' first turns, "
+        "prefix_repetition (shared prefixes + own suffixes), "
+        "multi_turn (chats resending their history, gRPC only) (default: random)",
     )
     parser.add_argument("--dataset-path", type=Path, help="the ShareGPT JSON file (with --dataset sharegpt)")
     parser.add_argument(
@@ -87,7 +88,8 @@ def add_workload_arguments(
         "--vocab-size",
         type=int,
         default=DEFAULT_VOCAB_SIZE,
-        help=f"random: token ids are drawn from [0, N) (default: {DEFAULT_VOCAB_SIZE}, valid for the tiny model and any real one)",
+        help=f"random: token ids are drawn from [0, N) "
+        f"(default: {DEFAULT_VOCAB_SIZE}, valid for the tiny model and any real one)",
     )
     parser.add_argument(
         "--num-prompts",
@@ -135,7 +137,8 @@ def add_workload_arguments(
         const="",
         default=None,
         metavar="FILE",
-        help="write the result JSON, named by --result-filename in --result-dir (a FILE given here is the older spelling of --result-filename)",
+        help="write the result JSON, named by --result-filename in --result-dir "
+        "(a FILE given here is the older spelling of --result-filename)",
     )
     parser.add_argument(
         "--result-dir",
@@ -146,14 +149,16 @@ def add_workload_arguments(
     parser.add_argument(
         "--result-filename",
         default=None,
-        help="the result file's name or path (default: BACKEND-RATEqps[-concurrencyN]-MODEL-DATE.json, as vLLM); implies --save-result",
+        help="the result file's name or path (default: BACKEND-RATEqps[-concurrencyN]-MODEL-DATE.json, as vLLM); "
+        "implies --save-result",
     )
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG charts into DIR (needs matplotlib)")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def _add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of the prefix_repetition (vLLM's names and defaults) and multi_turn datasets; token ids in [0, --vocab-size)."""
+    """The flags of the prefix_repetition (vLLM's names and defaults) and multi_turn datasets;
+    token ids in [0, --vocab-size)."""
     group = parser.add_argument_group("prefix_repetition: each request is one of N shared prefixes + its own suffix")
     group.add_argument(
         "--prefix-repetition-prefix-len",

@@ -30,7 +30,6 @@ from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN, KVConnector
 from kvservice.connector.channel_cache import ChannelCache
 from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
 from kvservice.connector.shared_memory import SegmentPool, sweep_orphaned_segments
-from kvservice.core.native_thread import name_native_thread
 from kvservice.core.outputs import (
     KVConnectorMetadata,
     KVConnectorStats,
@@ -41,6 +40,7 @@ from kvservice.core.outputs import (
 from kvservice.core.request import Request, RequestStatus
 from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.runtime.grpc_options import GRPC_OPTIONS
+from kvservice.runtime.native_thread import name_native_thread
 from kvservice.runtime.tls import bearer_metadata
 
 # Channels to distinct prefill workers kept open at once (idle ones past it are closed).

@@ -103,18 +103,8 @@ async def _receive(
 ) -> tuple[LoadResult, bool]:
     """Read a PullKV stream into the transfer's blocks (the ring's bytes where a header says so);
     also whether it completed with every chunk through the ring."""
-    num_blocks = len(spec.block_ids)
-    device = kv_caches[0].device if kv_caches else torch.device("cpu")
-    block_ids = torch.tensor(spec.block_ids, dtype=torch.long, device=device)
-    run_ends = _run_ends(spec.block_ids)
-    host_caches = _host_views(kv_caches, spec.block_ids, run_ends, layout)
-    # written[layer][block]: each block of each layer exactly once (the cached ones count as written).
-    written = [
-        bytearray(b"\x01" * spec.first_block + bytes(num_blocks - spec.first_block)) for _ in range(layout.num_layers)
-    ]
+    writer = _BlockWriter(spec, kv_caches, layout, segment)
     start = time.perf_counter()
-    num_chunks = num_bytes = num_ring_chunks = 0
-    ring_read_end = 0  # the shared-memory ring: where the last chunk read from it ended
     error: str | None = None
     first_token_id: int | None = None
     try:
@@ -123,40 +113,14 @@ async def _receive(
                 segment.unlink()  # the prefill worker opened it (or gave up) before sending anything
             decoded = wire.decode_frame(frame)
             if decoded.done is not None:
-                first_token_id = _check_done(decoded.done, spec, written, num_chunks)
+                first_token_id = _check_done(decoded.done, spec, writer.written, writer.num_chunks)
                 break
-            header = decoded.header
-            assert header is not None
-            first, n = header.first_block, header.num_blocks
-            if first < spec.first_block:
-                raise wire.KVChunkError(
-                    f"header.first_block: {first}, but the pull asked for blocks from {spec.first_block}"
-                )
-            payload = decoded.payload
-            if header.in_shared_memory:
-                payload = _ring_payload(header, payload, segment, ring_read_end)
-                ring_read_end = header.shared_memory_position + len(payload)
-            wire.validate_chunk(header, payload, layout, spec.request_id, num_blocks)
-            if any(written[header.layer][first : first + n]):
-                raise wire.KVChunkError(
-                    f"header.first_block: blocks [{first}, {first + n}) of layer {header.layer} sent twice"
-                )
-            src = wire.payload_view(payload, layout, n)  # [2, n, block_size, kv_heads, head_dim]
-            if host_caches is not None:
-                _copy_runs(host_caches[header.layer], src, spec.block_ids, run_ends, first, n)
-            else:
-                kv_caches[header.layer].index_copy_(1, block_ids[first : first + n], src.to(device, non_blocking=True))
-            written[header.layer][first : first + n] = b"\x01" * n
-            if header.in_shared_memory:
-                assert segment is not None
-                segment.mark_read(ring_read_end)  # copied: the prefill worker may reuse that space
-            num_chunks += 1
-            num_bytes += len(payload)
+            assert decoded.header is not None
+            num_bytes = writer.write(decoded.header, decoded.payload)
             stats.num_chunks += 1
-            stats.num_bytes += len(payload)
-            if header.in_shared_memory:
-                stats.num_shared_memory_bytes += len(payload)
-                num_ring_chunks += 1
+            stats.num_bytes += num_bytes
+            if decoded.header.in_shared_memory:
+                stats.num_shared_memory_bytes += num_bytes
         else:
             error = "the PullKV stream ended without its done frame"
     except grpc.aio.AioRpcError as e:
@@ -173,7 +137,65 @@ async def _receive(
     if error is not None:
         stats.num_failed_transfers += 1
         return LoadResult(spec.request_id, None, error), False
-    return LoadResult(spec.request_id, first_token_id), num_ring_chunks == num_chunks > 0
+    return LoadResult(spec.request_id, first_token_id), writer.num_ring_chunks == writer.num_chunks > 0
+
+
+class _BlockWriter:
+    """Lands one pull's chunks in its local blocks: each is checked against the pull (block
+    range, layout, checksum, no block written twice) before it touches the cache."""
+
+    def __init__(
+        self, spec: LoadSpec, kv_caches: list[torch.Tensor], layout: KVCacheLayout, segment: SharedSegment | None
+    ) -> None:
+        self.spec = spec
+        self.kv_caches = kv_caches
+        self.layout = layout
+        self.segment = segment
+        self.device = kv_caches[0].device if kv_caches else torch.device("cpu")
+        self.block_ids = torch.tensor(spec.block_ids, dtype=torch.long, device=self.device)
+        self.run_ends = _run_ends(spec.block_ids)
+        self.host_caches = _host_views(kv_caches, spec.block_ids, self.run_ends, layout)
+        # written[layer][block]: each block of each layer exactly once (the cached ones count as written).
+        num_blocks = len(spec.block_ids)
+        self.written = [
+            bytearray(b"\x01" * spec.first_block + bytes(num_blocks - spec.first_block))
+            for _ in range(layout.num_layers)
+        ]
+        self.ring_read_end = 0  # the shared-memory ring: where the last chunk read from it ended
+        self.num_chunks = 0
+        self.num_ring_chunks = 0
+
+    def write(self, header: pb.KVChunkHeader, payload: memoryview) -> int:
+        """Check one chunk and copy it into its blocks (from the ring where the header says
+        so); its payload's size. KVChunkError if it does not belong there."""
+        spec = self.spec
+        first, n = header.first_block, header.num_blocks
+        if first < spec.first_block:
+            raise wire.KVChunkError(
+                f"header.first_block: {first}, but the pull asked for blocks from {spec.first_block}"
+            )
+        if header.in_shared_memory:
+            payload = _ring_payload(header, payload, self.segment, self.ring_read_end)
+            self.ring_read_end = header.shared_memory_position + len(payload)
+        wire.validate_chunk(header, payload, self.layout, spec.request_id, len(spec.block_ids))
+        written = self.written[header.layer]
+        if any(written[first : first + n]):
+            raise wire.KVChunkError(
+                f"header.first_block: blocks [{first}, {first + n}) of layer {header.layer} sent twice"
+            )
+        src = wire.payload_view(payload, self.layout, n)  # [2, n, block_size, kv_heads, head_dim]
+        if self.host_caches is not None:
+            _copy_runs(self.host_caches[header.layer], src, spec.block_ids, self.run_ends, first, n)
+        else:
+            index = self.block_ids[first : first + n]
+            self.kv_caches[header.layer].index_copy_(1, index, src.to(self.device, non_blocking=True))
+        written[first : first + n] = b"\x01" * n
+        self.num_chunks += 1
+        if header.in_shared_memory:
+            assert self.segment is not None
+            self.segment.mark_read(self.ring_read_end)  # copied: the prefill worker may reuse that space
+            self.num_ring_chunks += 1
+        return len(payload)
 
 
 def _ring_payload(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import numpy as np
 from kvservice.connector import wire
 from kvservice.connector.shared_memory import OpenSegments, RingWriter, SharedSegment
 from kvservice.connector.transfer_errors import TransferDenied, TransferInvalid, TransferNotFound
-from kvservice.connector.transfer_registry import StagedTransfer, TransferRegistry, TransferState
+from kvservice.connector.transfer_registry import StagedChunk, StagedTransfer, TransferRegistry, TransferState
 from kvservice.core.outputs import KVTransferCounters
 from kvservice.core.request import check_request_id
 from kvservice.model.kv_cache import KVCacheLayout
@@ -29,10 +28,6 @@ from kvservice.v1 import kvservice_pb2 as pb
 logger = logging.getLogger(__name__)
 
 PULL_KV_METHOD = "/kvservice.v1.KVTransfer/PullKV"
-# Test hook, never for production: with KVSERVICE_FAULT_CORRUPT_CHUNK_EVERY=N in a prefill
-# worker's environment, one byte of every Nth chunk's payload is flipped after its checksum
-# is computed, so the decode side must reject it (tests/test_faults.py).
-FAULT_CORRUPT_CHUNK_EVERY = "KVSERVICE_FAULT_CORRUPT_CHUNK_EVERY"
 
 
 class KVTransferService:
@@ -42,7 +37,6 @@ class KVTransferService:
         self.stats = KVTransferCounters()
         layout = registry.layout
         self._dtype = wire.dtype_name(layout.dtype)
-        self._corrupt_every = int(os.environ.get(FAULT_CORRUPT_CHUNK_EVERY, "0"))
         self._segments = OpenSegments()  # pullers' segments, kept mapped: a puller reuses them
 
     def close(self) -> None:
@@ -131,50 +125,16 @@ class KVTransferService:
         fit) and its frame carries only the header."""
         ring = RingWriter(segment) if segment is not None else None
         num_seen = 0
-        layout = self.registry.layout
-        buffer = transfer.buffer.tensor
         while True:
             changed.clear()
             chunks, state = self.registry.snapshot(transfer, num_seen)
             num_seen += len(chunks)
             for chunk in chunks:
-                skip = transfer.first_block - chunk.first_block  # blocks the puller caches
-                if skip >= chunk.num_blocks:
+                outgoing = await self.encode_chunk(transfer, chunk, ring)
+                if outgoing is None:
                     continue
-                payload = memoryview(buffer[chunk.offset : chunk.offset + chunk.num_bytes].numpy())
-                if skip > 0:
-                    # Staged before the pull said where it starts: send only the rest (K and V of it).
-                    payload = memoryview(
-                        np.ascontiguousarray(np.asarray(payload).reshape(2, chunk.num_blocks, -1)[:, skip:])
-                    ).cast("B")
-                num_blocks = chunk.num_blocks - max(skip, 0)
-                first_block = chunk.first_block + max(skip, 0)
-                position = None
-                if ring is not None and ring.fits(len(payload)):
-                    position = await ring.write(np.frombuffer(payload, dtype=np.uint8))
-                frame = wire.encode_chunk(
-                    request_id=transfer.request_id,
-                    layer=chunk.layer,
-                    first_block=first_block,
-                    num_blocks=num_blocks,
-                    dtype=self._dtype,
-                    shape=layout.blocks_shape(num_blocks),
-                    payload=payload,
-                    crc32=chunk.crc32 if skip <= 0 else None,  # a re-packed payload has its own
-                    shared_memory_position=position,
-                )
-                if self._corrupt_every > 0 and (self.stats.num_chunks + 1) % self._corrupt_every == 0:
-                    if ring is not None and position is not None:
-                        ring.segment.ring_region(position + len(payload) - 1, 1)[0] ^= 0xFF
-                    else:
-                        frame = _flip_last_byte(frame)  # the payload ends the frame
-                yield frame
-                sent.num_chunks += 1
-                sent.num_bytes += len(payload)
-                self.stats.num_chunks += 1
-                self.stats.num_bytes += len(payload)
-                if position is not None:
-                    self.stats.num_shared_memory_bytes += len(payload)
+                yield outgoing.frame
+                self._count(sent, outgoing)
             if state is TransferState.FAILED or (state is TransferState.COMPLETE and not chunks):
                 return
             if not chunks:
@@ -183,6 +143,52 @@ class KVTransferService:
                     await asyncio.wait_for(changed.wait(), self.registry.lease_seconds / 3)
                 except TimeoutError:
                     pass
+
+    async def encode_chunk(
+        self, transfer: StagedTransfer, chunk: StagedChunk, ring: RingWriter | None
+    ) -> OutgoingChunk | None:
+        """`chunk` as the frame this pull sends, its bytes written into `ring` first when
+        they fit there; None when the puller caches all of its blocks. The one place a
+        staged chunk becomes a frame: a subclass that alters what goes out overrides it."""
+        skip = transfer.first_block - chunk.first_block  # blocks the puller caches
+        if skip >= chunk.num_blocks:
+            return None
+        payload = _unsent_payload(transfer, chunk, skip)
+        num_blocks = chunk.num_blocks - max(skip, 0)
+        position = None
+        if ring is not None and ring.fits(len(payload)):
+            position = await ring.write(np.frombuffer(payload, dtype=np.uint8))
+        frame = wire.encode_chunk(
+            request_id=transfer.request_id,
+            layer=chunk.layer,
+            first_block=chunk.first_block + max(skip, 0),
+            num_blocks=num_blocks,
+            dtype=self._dtype,
+            shape=self.registry.layout.blocks_shape(num_blocks),
+            payload=payload,
+            crc32=chunk.crc32 if skip <= 0 else None,  # a re-packed payload has its own
+            shared_memory_position=position,
+        )
+        return OutgoingChunk(frame, len(payload), position)
+
+    def _count(self, sent: _Sent, outgoing: OutgoingChunk) -> None:
+        """A chunk went out: this pull's and the service's counters."""
+        sent.num_chunks += 1
+        sent.num_bytes += outgoing.num_bytes
+        self.stats.num_chunks += 1
+        self.stats.num_bytes += outgoing.num_bytes
+        if outgoing.shared_memory_position is not None:
+            self.stats.num_shared_memory_bytes += outgoing.num_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingChunk:
+    """One chunk's frame, and the payload it describes: `num_bytes` of it, in the ring at
+    `shared_memory_position` or (None) at the end of `frame`."""
+
+    frame: bytes
+    num_bytes: int
+    shared_memory_position: int | None
 
 
 @dataclass(slots=True)
@@ -193,9 +199,16 @@ class _Sent:
     num_bytes: int = 0
 
 
-def _flip_last_byte(frame: bytes) -> bytes:
-    """The fault hook's corruption: the frame with its last (payload) byte inverted."""
-    return frame[:-1] + bytes([frame[-1] ^ 0xFF])
+def _unsent_payload(transfer: StagedTransfer, chunk: StagedChunk, skip: int) -> memoryview:
+    """The bytes of `chunk` the puller does not cache: all of them, or (`skip` > 0) K and V
+    of its blocks past the first `skip`, re-packed contiguously."""
+    buffer = transfer.buffer.tensor
+    payload = memoryview(buffer[chunk.offset : chunk.offset + chunk.num_bytes].numpy())
+    if skip <= 0:
+        return payload
+    # Staged before the pull said where it starts: send only the rest.
+    kv = np.asarray(payload).reshape(2, chunk.num_blocks, -1)  # [K/V, num_blocks, block bytes]
+    return memoryview(np.ascontiguousarray(kv[:, skip:])).cast("B")
 
 
 def _layout_mismatch(request: pb.PullKVRequest, layout: KVCacheLayout, dtype: str) -> str | None:

@@ -30,7 +30,6 @@ from kvservice.connector.transfer_registry import (
     TransferRegistry,
 )
 from kvservice.core.kv_cache_manager import cdiv
-from kvservice.core.native_thread import name_native_thread
 from kvservice.core.outputs import (
     KVConnectorMetadata,
     KVConnectorStats,
@@ -40,6 +39,7 @@ from kvservice.core.outputs import (
 from kvservice.core.request import Request, RequestStatus
 from kvservice.model.attention import AttentionMetadata
 from kvservice.model.kv_cache import KVCacheLayout
+from kvservice.runtime.native_thread import name_native_thread
 
 DEFAULT_CHUNK_BYTES = 2 << 20  # 2-4 MiB messages stream fastest over gRPC
 

@@ -132,7 +132,8 @@ class SharedSegment:
         start = position % self.ring_bytes
         if position < 0 or num_bytes < 0 or start + num_bytes > self.ring_bytes:
             raise ValueError(
-                f"ring positions [{position}, {position + num_bytes}) do not fit the {self.ring_bytes}-byte ring unwrapped"
+                f"ring positions [{position}, {position + num_bytes}) "
+                f"do not fit the {self.ring_bytes}-byte ring unwrapped"
             )
         return self._array[CONTROL_BYTES + start : CONTROL_BYTES + start + num_bytes]
 

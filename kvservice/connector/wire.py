@@ -272,6 +272,14 @@ def validate_chunk(
     head_dim] elements of `layout.dtype` for blocks [first_block, first_block + num_blocks)
     of a layer that exists.
     """
+    _check_destination(header, layout, request_id, num_blocks_in_transfer)
+    _check_contents(header, payload, layout, check_crc32)
+
+
+def _check_destination(
+    header: pb.KVChunkHeader, layout: KVCacheLayout, request_id: str, num_blocks_in_transfer: int
+) -> None:
+    """Where the chunk lands: this request, a layer that exists, at least one block, all in the transfer."""
     if header.request_id != request_id:
         raise KVChunkError(f"header.request_id: got {header.request_id[:_MAX_ERROR_REPR]!r}, expected {request_id!r}")
     if header.layer >= layout.num_layers:
@@ -284,6 +292,12 @@ def validate_chunk(
             f"header.first_block/num_blocks: blocks [{header.first_block}, {end_block}) "
             f"outside [0, {num_blocks_in_transfer})"
         )
+
+
+def _check_contents(
+    header: pb.KVChunkHeader, payload: memoryview | bytes, layout: KVCacheLayout, check_crc32: bool
+) -> None:
+    """What the chunk holds: the layout's dtype and shape for its blocks, exactly their bytes, intact."""
     expected_dtype = dtype_name(layout.dtype)
     if header.dtype != expected_dtype:
         raise KVChunkError(f"header.dtype: got {header.dtype[:_MAX_ERROR_REPR]!r}, expected {expected_dtype!r}")

@@ -28,6 +28,16 @@ class KVConnectorMetadata:
     """
 
 
+@dataclass(frozen=True, slots=True)
+class LanePrompt:
+    """The tokens whose KV a colocated worker's prompt lane computes for one request, into its blocks."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int  # position of token_ids[0] (past the request's cached prefix)
+    block_ids: list[int]
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request

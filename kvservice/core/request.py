@@ -29,6 +29,8 @@ def check_request_id(request_id: str, field_name: str = "request_id") -> None:
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KV = enum.auto()
+    # A colocated worker's prompt lane computes its prompt (all tokens but the last).
+    WAITING_FOR_PROMPT_LANE = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()

@@ -41,7 +41,8 @@ class StructuredOutputParams:
         given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
-                f"structured output: exactly one of json_schema, json_object, regex, choice, grammar must be set, got {given or 'none'}"
+                f"structured output: exactly one of json_schema, json_object, regex, choice, grammar must be set, got "
+                f"{given or 'none'}"
             )
         if self.json_schema is not None:
             object.__setattr__(self, "json_schema", _compact_schema(self.json_schema, "json_schema"))

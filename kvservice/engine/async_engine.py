@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvservice.core.block_pool import KVCacheEvent
-from kvservice.core.native_thread import name_native_thread
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine, RequestOutput
 from kvservice.engine.errors import EngineDeadError, QueueFull
 from kvservice.loading.chat_template import Prompt
+from kvservice.runtime.native_thread import name_native_thread
 
 logger = logging.getLogger(__name__)
 
@@ -343,7 +343,7 @@ class AsyncLLMEngine:
     def _is_queue_full(self) -> bool:
         if self.max_queued_requests is None:
             return False
-        queues = self.engine.scheduler.make_stats()
+        queues = self.engine.core.scheduler.make_stats()
         return queues.num_waiting_requests + queues.num_waiting_for_remote_kv >= self.max_queued_requests
 
     def _resolve(self, future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

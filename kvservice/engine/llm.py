@@ -7,7 +7,8 @@ from typing import Any
 
 from kvservice.config import EngineConfig
 from kvservice.core.sampling_params import SamplingParams
-from kvservice.engine.engine import LLMEngine, RequestOutput
+from kvservice.engine.engine import RequestOutput
+from kvservice.engine.engine_builder import build_engine
 from kvservice.loading.chat_template import apply_chat_template
 
 
@@ -18,7 +19,7 @@ class LLM:
     """
 
     def __init__(self, model: str, dtype: str = "auto", block_size: int = 16, **engine_kwargs: object) -> None:
-        self.engine = LLMEngine(model, EngineConfig(dtype=dtype, block_size=block_size, **engine_kwargs))  # type: ignore[arg-type]
+        self.engine = build_engine(model, EngineConfig(dtype=dtype, block_size=block_size, **engine_kwargs))  # type: ignore[arg-type]
 
     @property
     def tokenizer(self):  # noqa: ANN201 - Tokenizer | None
@@ -31,16 +32,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """One finished output per prompt and sequence, in order (with `n` > 1, a prompt's n
         sequences one after the other, by index). A prompt is text or a list of token ids."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = (
-            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        )
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        prompts, params = _paired(prompts, sampling_params)
         request_ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
@@ -81,3 +73,22 @@ class LLM:
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params)
+
+
+def _paired(
+    prompts: str | list[int] | Sequence[str | list[int]],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+) -> tuple[list[str | list[int]], list[SamplingParams]]:
+    """One prompt or many, each with its sampling params (one for all, or one each)."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]  # type: ignore[list-item]
+    prompt_list = list(prompts)  # type: ignore[arg-type]
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        params = [sampling_params] * len(prompt_list)
+    else:
+        params = list(sampling_params)
+    if len(params) != len(prompt_list):
+        raise ValueError(f"sampling_params: {len(params)} given for {len(prompt_list)} prompts")
+    return prompt_list, params

@@ -40,3 +40,10 @@ def waits_for_leader(request: Request, block_size: int) -> bool:
     if leader.status is not RequestStatus.RUNNING:
         return True  # waiting, preempted, or its prompt's KV still arriving from a prefill worker
     return leader.num_computed_tokens < (request.num_prompt_tokens - 1) // block_size * block_size
+
+
+def start_after_prefix(request: Request, kv: KVCacheManager, num_cached: int) -> None:
+    """The request got its blocks: it starts after its `num_cached` reused prompt tokens."""
+    request.num_computed_tokens = num_cached
+    request.num_cached_tokens = num_cached
+    kv.record_lookup(request.num_tokens, num_cached)

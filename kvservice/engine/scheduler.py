@@ -13,15 +13,18 @@ A waiting request starts after its longest computed prefix (`prefix_reuse`: the 
 cache, or a parallel-sampling leader's prompt), always computing at least its last token.
 After every step the blocks that computed tokens filled join the prefix cache.
 
-With a KV connector, a waiting request whose prompt KV comes from elsewhere gets its
-blocks and parks in WAITING_FOR_REMOTE_KV until the connector reports the load done;
-only the part past its local prefix hit is loaded (possibly nothing but the first token).
-A colocated worker's prompt lane loads all its tokens but the last, which a step then computes.
+Two collaborators take waiting requests off the ordinary path. With a KV connector
+(`RemoteKVLoads`), a request whose prompt KV comes from elsewhere gets its blocks and parks in
+WAITING_FOR_REMOTE_KV until the connector reports the load done; only the part past its local
+prefix hit is loaded (possibly nothing but the first token). With a prompt lane
+(`PromptLanePath`, a colocated worker's), a request's prompt but its last token is computed in
+the lane's big batches while it waits in WAITING_FOR_PROMPT_LANE; a step then computes the last.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from kvservice.connector.base import KVConnectorBase
 from kvservice.core.kv_cache_manager import KVCacheManager
@@ -36,12 +39,33 @@ from kvservice.core.outputs import (
     request_output,
 )
 from kvservice.core.request import Request, RequestStatus
-from kvservice.engine.prefix_reuse import reusable_prefix, waits_for_leader
+from kvservice.engine.prefix_reuse import reusable_prefix, start_after_prefix, waits_for_leader
+from kvservice.engine.prompt_lane_path import PromptLanePath, PromptLaneQueue
 from kvservice.engine.remote_kv_loads import RemoteKVLoads
 from kvservice.engine.step_budget import FixedStepBudget, StepBudget
 
 
-class Scheduler(RemoteKVLoads):
+@dataclass(slots=True)
+class _StepPlan:
+    """What one `schedule()` has handed out so far."""
+
+    budget: int  # tokens left in the step
+    prefill_budget: int  # prompt tokens left while requests decode
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled_ids: set[str] = field(default_factory=set)
+    preempted: set[str] = field(default_factory=set)
+    num_prompt_tokens: int = 0
+
+    def add(self, item: ScheduledRequest, is_prefill: bool) -> None:
+        self.scheduled.append(item)
+        self.scheduled_ids.add(item.request.request_id)
+        self.budget -= item.num_new_tokens
+        if is_prefill:
+            self.prefill_budget -= item.num_new_tokens
+            self.num_prompt_tokens += item.num_new_tokens
+
+
+class Scheduler:
     def __init__(
         self,
         kv_cache_manager: KVCacheManager,
@@ -53,6 +77,7 @@ class Scheduler(RemoteKVLoads):
         num_lookahead_tokens: int = 0,
         max_prefill_tokens_with_decode: int | None = None,
         step_budget: StepBudget | None = None,
+        prompt_lane: PromptLaneQueue | None = None,
     ) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
@@ -61,14 +86,14 @@ class Scheduler(RemoteKVLoads):
         self.step_budget = step_budget or FixedStepBudget(max_prefill_tokens_with_decode or max_num_batched_tokens)
         self.connector = connector
         self.kv_load_failure_policy = kv_load_failure_policy
-        self.vocab_size = vocab_size  # bounds a first token that a remote prefill sends
+        self.remote_loads = RemoteKVLoads(self.kv, connector, vocab_size) if connector is not None else None
+        self.lane_path = PromptLanePath(prompt_lane, self.kv) if prompt_lane is not None else None
         # Slots past the scheduled tokens that the draft pass writes (speculative decoding).
         self.num_lookahead_tokens = num_lookahead_tokens
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.waiting_for_remote_kv: dict[str, Request] = {}
-        # Finished requests whose blocks a transfer still touches: freed on its report.
+        # Finished requests whose blocks a transfer or the lane still touches: freed on its report.
         self.pending_free: dict[str, Request] = {}
         self._finished_req_ids: set[str] = set()
         self._pending_outputs: list[EngineCoreOutput] = []
@@ -79,6 +104,16 @@ class Scheduler(RemoteKVLoads):
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verify_steps = 0
+
+    @property
+    def waiting_for_remote_kv(self) -> dict[str, Request]:
+        """The requests whose prompt KV a connector is loading."""
+        return self.remote_loads.parked if self.remote_loads is not None else {}
+
+    @property
+    def in_prompt_lane(self) -> dict[str, Request]:
+        """The requests whose prompt the prompt lane is computing."""
+        return self.lane_path.in_lane if self.lane_path is not None else {}
 
     # ------------------------------------------------------------ requests in and out
 
@@ -121,17 +156,18 @@ class Scheduler(RemoteKVLoads):
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote_kv)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote_kv) + len(self.in_prompt_lane)
 
     def has_work(self) -> bool:
         """Whether a step would do anything: requests to run, or transfers to drive."""
         return bool(self.num_unfinished or self.pending_free or self._pending_outputs or self._finished_req_ids)
 
     def make_stats(self) -> SchedulerStats:
-        """The queues, the cache and the counters: the one way they leave the scheduler."""
+        """The queues, the cache and the counters: the one way they leave the scheduler.
+        Requests in the prompt lane count as waiting: their prompt is computed here."""
         return SchedulerStats(
             num_running_requests=len(self.running),
-            num_waiting_requests=len(self.waiting),
+            num_waiting_requests=len(self.waiting) + len(self.in_prompt_lane),
             num_waiting_for_remote_kv=len(self.waiting_for_remote_kv),
             num_finished_requests=self.num_finished,
             num_aborted_requests=self.num_aborted,
@@ -145,86 +181,22 @@ class Scheduler(RemoteKVLoads):
     # ------------------------------------------------------------ the step
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        scheduled_ids: set[str] = set()
-        preempted: set[str] = set()
-
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        prefill_budget = self.step_budget.prompt_tokens(len(decoding)) if decoding else budget
-        num_prompt_tokens = 0
+        budget = self.max_num_batched_tokens
+        plan = _StepPlan(budget, self.step_budget.prompt_tokens(len(decoding)) if decoding else budget)
         for request in [*decoding, *prefilling]:
-            if budget <= 0 or request.status is not RequestStatus.RUNNING:
-                continue  # out of budget, or preempted for an earlier request this step
-            is_prefill = request.num_tokens - request.num_computed_tokens > 1
-            num_new = min(
-                request.num_tokens - request.num_computed_tokens, budget, prefill_budget if is_prefill else budget
-            )
-            if num_new <= 0:
-                continue
-            spec = self._take_spec_tokens(request, budget)
-            num_new += len(spec)
-            block_ids = self.kv.allocate_slots(request, num_new + self._lookahead(request, num_new))
-            while block_ids is None:
-                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled_ids)
-                self.running.remove(victim)
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if victim is request:
-                    break
-                block_ids = self.kv.allocate_slots(request, num_new + self._lookahead(request, num_new))
-            if block_ids is None:
-                continue
-            scheduled.append(ScheduledRequest(request, num_new, block_ids, spec))
-            scheduled_ids.add(request.request_id)
-            budget -= num_new
-            if is_prefill:
-                prefill_budget -= num_new
-                num_prompt_tokens += num_new
-
+            self._schedule_running(request, plan)
         # Admit waiting requests only when nothing was preempted: preemption means
         # memory is short, and admitting more would only thrash.
-        while (
-            self.waiting
-            and min(budget, prefill_budget) > 0
-            and not preempted
-            and len(self.running) + len(self.waiting_for_remote_kv) < self.max_num_seqs  # those join the running
-        ):
-            # In arrival order, past siblings waiting for their leader's prompt.
-            request = next((r for r in self.waiting if not waits_for_leader(r, self.kv.block_size)), None)
-            if request is None:
-                break
-            assert request.num_computed_tokens == 0 and not self.kv.get_block_ids(request.request_id)
-            cached = reusable_prefix(request, self.kv, self.connector)
-            started = self._try_start_remote_load(request, cached)
-            if started is None:
-                break  # its KV comes from elsewhere, and the blocks for it are not free yet
-            if started:
-                self.waiting.remove(request)
-                continue
-            num_cached = len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget, prefill_budget)
-            block_ids = self.kv.allocate_slots(
-                request, num_new + self._lookahead(request, num_cached + num_new), cached
-            )
-            if block_ids is None:
-                break
-            self.waiting.remove(request)
-            self._admit(request, num_cached)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled.append(ScheduledRequest(request, num_new, block_ids))
-            budget -= num_new
-            prefill_budget -= num_new
-            num_prompt_tokens += num_new
-
+        if not plan.preempted:
+            self._admit_waiting(plan)
         output = SchedulerOutput(
-            scheduled=scheduled,
-            num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            num_prompt_tokens=num_prompt_tokens,
+            scheduled=plan.scheduled,
+            num_scheduled_tokens=self.max_num_batched_tokens - plan.budget,
+            num_prompt_tokens=plan.num_prompt_tokens,
             finished_req_ids=self._finished_req_ids,
-            preempted_req_ids=preempted,
+            preempted_req_ids=plan.preempted,
         )
         self._finished_req_ids = set()
         if self.connector is not None:
@@ -261,35 +233,92 @@ class Scheduler(RemoteKVLoads):
                 request.num_computed_tokens += item.num_new_tokens
                 self.kv.cache_full_blocks(request)
                 continue
-            num_spec = len(item.spec_token_ids)
-            # The KV of the accepted draft tokens is valid; that of rejected ones is not.
-            request.num_computed_tokens += item.num_new_tokens - num_spec + len(token_ids) - 1
-            self.kv.cache_full_blocks(request)
-            if num_spec:
-                self.num_draft_tokens += num_spec
-                self.num_accepted_tokens += len(token_ids) - 1
-                self.num_verify_steps += 1
-            appended: list[int] = []
-            status = None
-            for token_id in token_ids:
-                request.append_output_token(token_id)
-                appended.append(token_id)
-                status = request.check_stop()
-                if status is not None:
-                    break
-            is_first = request.num_output_tokens == len(appended)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
-            token_logprobs = logprobs.get(request.request_id)
-            outputs.append(
-                request_output(request, appended, status, token_logprobs and token_logprobs[: len(appended)], is_first)
-            )
-        if connector_output is not None:
+            outputs.append(self._advance(item, token_ids, logprobs.get(request.request_id)))
+        if connector_output is not None and self.remote_loads is not None:
             outputs.extend(self._update_from_connector(connector_output))
         return outputs
 
-    # ------------------------------------------------------------ internals
+    def update_from_prompt_lane(self) -> None:
+        """Run the requests whose lane batch has ended from their last prompt token; free the
+        blocks of cancelled ones the lane's forward no longer writes."""
+        if self.lane_path is None:
+            return
+        done, released_ids = self.lane_path.take_finished()
+        for request_id in released_ids:
+            if (pending := self.pending_free.pop(request_id, None)) is not None:
+                self._release(pending)
+        for request in done:
+            self._resume(request, None)
+
+    # ------------------------------------------------------------ internals: scheduling
+
+    def _schedule_running(self, request: Request, plan: _StepPlan) -> None:
+        """The next tokens of a running request (its next chunk, or one token and its drafts)."""
+        if plan.budget <= 0 or request.status is not RequestStatus.RUNNING:
+            return  # out of budget, or preempted for an earlier request this step
+        is_prefill = request.num_tokens - request.num_computed_tokens > 1
+        num_new = min(
+            request.num_tokens - request.num_computed_tokens,
+            plan.budget,
+            plan.prefill_budget if is_prefill else plan.budget,
+        )
+        if num_new <= 0:
+            return
+        spec = self._take_spec_tokens(request, plan.budget)
+        num_new += len(spec)
+        block_ids = self.kv.allocate_slots(request, num_new + self._lookahead(request, num_new))
+        while block_ids is None:
+            victim = next(r for r in reversed(self.running) if r.request_id not in plan.scheduled_ids)
+            self.running.remove(victim)
+            self._preempt(victim)
+            plan.preempted.add(victim.request_id)
+            if victim is request:
+                return
+            block_ids = self.kv.allocate_slots(request, num_new + self._lookahead(request, num_new))
+        plan.add(ScheduledRequest(request, num_new, block_ids, spec), is_prefill)
+
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        """Waiting requests in arrival order (past siblings waiting for their leader's prompt),
+        while the step's budgets, `max_num_seqs` and free blocks allow."""
+        while self.waiting and min(plan.budget, plan.prefill_budget) > 0 and self._has_seq_room():
+            request = next((r for r in self.waiting if not waits_for_leader(r, self.kv.block_size)), None)
+            if request is None:
+                return
+            assert request.num_computed_tokens == 0 and not self.kv.get_block_ids(request.request_id)
+            cached = reusable_prefix(request, self.kv, self.connector)
+            parked = self._park_elsewhere(request, cached)
+            if parked is None:
+                return  # its KV comes from elsewhere, and the blocks for it are not free yet
+            if parked:
+                self.waiting.remove(request)
+                continue
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached, plan.budget, plan.prefill_budget)
+            num_lookahead = self._lookahead(request, num_cached + num_new)
+            block_ids = self.kv.allocate_slots(request, num_new + num_lookahead, cached)
+            if block_ids is None:
+                return
+            self.waiting.remove(request)
+            start_after_prefix(request, self.kv, num_cached)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.add(ScheduledRequest(request, num_new, block_ids), is_prefill=True)
+
+    def _has_seq_room(self) -> bool:
+        """Whether another request may start: the parked ones join the running later."""
+        num_started = len(self.running) + len(self.waiting_for_remote_kv) + len(self.in_prompt_lane)
+        return num_started < self.max_num_seqs
+
+    def _park_elsewhere(self, request: Request, cached: list[int]) -> bool | None:
+        """Hand a waiting request's prompt to a connector's load, else to the prompt lane.
+        True if one took it, None if one must but its blocks are not free, else False."""
+        if self.remote_loads is not None:
+            parked = self.remote_loads.try_park(request, cached)
+            if parked is not False:
+                return parked
+        if self.lane_path is not None:
+            return self.lane_path.try_enter(request, cached)
+        return False
 
     def _lookahead(self, request: Request, num_new: int) -> int:
         return min(self.num_lookahead_tokens, max(0, request.max_num_tokens - request.num_computed_tokens - num_new))
@@ -312,14 +341,95 @@ class Scheduler(RemoteKVLoads):
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    # ------------------------------------------------------------ internals: results
+
+    def _advance(
+        self, item: ScheduledRequest, token_ids: list[int], logprobs: list[TokenLogprobs] | None
+    ) -> EngineCoreOutput:
+        """Append a sampling request's new tokens (accepted drafts, then the target's) up to a
+        stop, with their `logprobs` where asked for."""
+        request = item.request
+        num_spec = len(item.spec_token_ids)
+        # The KV of the accepted draft tokens is valid; that of rejected ones is not.
+        request.num_computed_tokens += item.num_new_tokens - num_spec + len(token_ids) - 1
+        self.kv.cache_full_blocks(request)
+        if num_spec:
+            self.num_draft_tokens += num_spec
+            self.num_accepted_tokens += len(token_ids) - 1
+            self.num_verify_steps += 1
+        appended: list[int] = []
+        status = None
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            appended.append(token_id)
+            status = request.check_stop()
+            if status is not None:
+                break
+        is_first = request.num_output_tokens == len(appended)
+        if status is not None:
+            self.running.remove(request)
+            self._finish(request, status)
+        return request_output(request, appended, status, logprobs and logprobs[: len(appended)], is_first)
+
+    def _update_from_connector(self, output: KVConnectorOutput) -> list[EngineCoreOutput]:
+        assert self.remote_loads is not None
+        loads = self.remote_loads.take_finished(output, set(self.pending_free))
+        for request_id in loads.released_ids:
+            self._release(self.pending_free.pop(request_id))
+        outputs: list[EngineCoreOutput] = []
+        for request, first_token in loads.resumed:
+            outputs.extend(self._resume(request, first_token))
+        for request in loads.failed:
+            outputs.extend(self._handle_load_failure(request))
+        return outputs
+
+    def _resume(self, request: Request, first_token: int | None) -> list[EngineCoreOutput]:
+        """The prompt's KV is in place: continue from the first token a prefill sampled or,
+        without one (the prompt lane computes all tokens but the last), from the last token,
+        whose logits give the next one."""
+        request.num_computed_tokens = request.num_tokens - (first_token is None)
+        request.num_draft_computed_tokens = 0  # the draft's KV is recomputed here
+        self.kv.cache_full_blocks(request)
+        status = None
+        if first_token is not None:
+            request.append_output_token(first_token)
+            status = request.check_stop()
+        if status is not None:
+            self._finish(request, status)
+        else:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        if first_token is None:
+            return []
+        # The first token's logprobs (and the prompt's) are the prefill worker's to report.
+        return [request_output(request, [first_token], status, None, is_first=True)]
+
+    def _handle_load_failure(self, request: Request) -> list[EngineCoreOutput]:
+        if self.kv_load_failure_policy == "recompute":
+            # Start over as a local prefill: the loaded blocks hold nothing valid, and the
+            # cached prefix it shares may end where the prompt does, but its last token
+            # must now be computed (never into a shared block).
+            self.kv.free(request.request_id)
+            request.num_computed_tokens = 0
+            request.num_draft_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+            return []
+        return self._fail(
+            request, "loading the prompt's KV from the prefill worker failed (kv_load_failure_policy=fail)"
+        )
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self._finished_req_ids.add(request.request_id)
         if status is not RequestStatus.FINISHED_ABORTED:
             self.num_finished += 1
         delay_free = False
+        if self.lane_path is not None and request.request_id in self.lane_path.in_lane:
+            delay_free = self.lane_path.cancel(request.request_id)
         if self.connector is not None:
-            delay_free, _ = self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
+            delay_connector, _ = self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
+            delay_free = delay_free or delay_connector
         if delay_free:
             self.pending_free[request.request_id] = request
         else:
@@ -328,12 +438,6 @@ class Scheduler(RemoteKVLoads):
     def _release(self, request: Request) -> None:
         self.kv.free(request.request_id)
         self.requests.pop(request.request_id, None)
-
-    def _admit(self, request: Request, num_cached: int) -> None:
-        """The request got its blocks: it starts after its cached prefix."""
-        request.num_computed_tokens = num_cached
-        request.num_cached_tokens = num_cached
-        self.kv.record_lookup(request.num_tokens, num_cached)
 
     def _fail(self, request: Request, error: str) -> list[EngineCoreOutput]:
         """End a request (already out of its queue) with an error its caller sees."""

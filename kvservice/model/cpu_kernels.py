@@ -13,7 +13,19 @@
 `load_cpu_kernels()` compiles the extension once per machine (torch's extension cache,
 ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) and loads it. It returns False when
 the build fails or `KVSERVICE_KERNELS=torch` asks for the pure-PyTorch path; callers
-then keep their PyTorch formulas, which the tests compare the kernels against.
+then keep their PyTorch formulas, which the tests compare the kernels against. That path
+is ~7x slower, so it is never silent: `compute_path()` names the path a worker runs (its
+`Stats` and `/metrics` carry it), and the tests and `make test` fail when the kernels do
+not build, unless `KVSERVICE_ALLOW_TORCH_FALLBACK=1` says that is expected on this machine
+(`KVSERVICE_KERNELS=torch` counts as asking for it too).
+
+The build is keyed by what it is built from (`build_key`: the sources' and headers' content,
+the compile flags, the ISA, the torch version), never by where the sources lie: checkouts
+with the same sources share one build, and none rebuilds another's. A build compiles copies
+of the sources in its own directory, and a later start loads the built library directly.
+
+`python -m kvservice.model.cpu_kernels` builds, prints the compute path, and exits 1 when
+the kernels are unavailable without an opt-out (`make test` runs it first).
 """
 
 from __future__ import annotations
@@ -24,38 +36,46 @@ import hashlib
 import logging
 import os
 import pathlib
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [
-    pathlib.Path(__file__).parent / "csrc" / name
-    for name in (
-        "paged_attention.cpp",
-        "prompt_attention.cpp",
-        "norm_rotary.cpp",
-        "block_quant_linear.cpp",
-        "decode_layer.cpp",
-        "greedy_head.cpp",
-        "swiglu.cpp",
-    )
-]
-_HEADERS = sorted((pathlib.Path(__file__).parent / "csrc").glob("*.h"))
-# torch caches builds by name and the sources' hash (not the headers': their hash joins the
-# name); bump the version when an op's schema changes.
-_EXTENSION_VERSION = "v10"
-# Vector ISA flags per torch's own CPU capability check. The capability is part of the
-# extension's name, so a cache shared by different CPUs never loads the wrong build.
+ALLOW_FALLBACK_ENV = "KVSERVICE_ALLOW_TORCH_FALLBACK"
+KERNELS_ENV = "KVSERVICE_KERNELS"
+
+CSRC = pathlib.Path(__file__).parent / "csrc"
+# In link order; every `*.h` beside them is part of the build too.
+_SOURCE_NAMES = (
+    "paged_attention.cpp",
+    "prompt_attention.cpp",
+    "norm_rotary.cpp",
+    "block_quant_linear.cpp",
+    "decode_layer.cpp",
+    "greedy_head.cpp",
+    "swiglu.cpp",
+)
+# Vector ISA flags per torch's own CPU capability check; any other capability builds the
+# plain C++ loops ("generic"). The ISA is part of the build key and the extension's name, so
+# a cache shared by different CPUs never loads the wrong build.
 _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
 }
+# No FMA contraction: rotary then rounds exactly like the PyTorch formula. -fopenmp:
+# at::parallel_for is an OpenMP pragma in ATen's headers; without it every kernel ran on one
+# thread. The build links libgomp.so.1, which resolves to the one torch already loaded (same
+# soname): one OpenMP pool, torch's.
+_BASE_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+_LDFLAGS = ["-fopenmp"]
 
 _is_loaded = False
 _tried = False
+_isa = ""  # the ISA of the loaded build
+_build_error: str | None = None  # why the build or load failed, when it did
 
 
 def kernels_loaded() -> bool:
@@ -69,6 +89,71 @@ def prompt_attention_is_faster() -> bool:
     Zen 3 cores with AVX2). Elsewhere it runs its plain C++ loops, which are correct but slower
     than SDPA."""
     return _is_loaded and torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2")
+
+
+def machine_isa() -> str:
+    """The vector ISA a build here targets: AVX512, AVX2, or generic (plain C++ loops)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability if capability in _ISA_FLAGS else "generic"
+
+
+def compile_flags(isa: str) -> list[str]:
+    """The compiler flags of a build for `isa`."""
+    return [*_BASE_CFLAGS, *_ISA_FLAGS.get(isa, [])]
+
+
+def kernel_files(csrc: pathlib.Path = CSRC) -> list[pathlib.Path]:
+    """What a build compiles: the sources in `csrc` in link order, then its headers by name."""
+    return [csrc / name for name in _SOURCE_NAMES] + sorted(csrc.glob("*.h"))
+
+
+def build_key(files: Sequence[pathlib.Path], cflags: Sequence[str], isa: str) -> str:
+    """A hash of what a build is made from: each file's name and content, the compile and link
+    flags, the ISA and this torch. Where the files lie is left out, so two checkouts with the same
+    sources share one build and different sources never share one."""
+    digest = hashlib.sha256()
+
+    def add(part: bytes) -> None:
+        digest.update(len(part).to_bytes(8, "little"))  # length-prefixed: no two inputs concatenate alike
+        digest.update(part)
+
+    for path in files:
+        add(path.name.encode())
+        add(path.read_bytes())
+    for flag in (*cflags, "--ldflags", *_LDFLAGS, "--isa", isa):
+        add(flag.encode())
+    add(f"torch {torch.__version__} {torch.version.git_version}".encode())
+    return digest.hexdigest()
+
+
+def extension_name(isa: str, key: str) -> str:
+    """The extension (and its build directory's) name in torch's cache."""
+    return f"kvservice_cpu_kernels_{isa.lower()}_{key[:16]}"
+
+
+def torch_fallback_opt_out() -> str | None:
+    """The setting that makes running without the kernels expected here, or None: then a failed
+    build is an error (in the tests and `make test`), not a quiet ~7x slowdown."""
+    if os.environ.get(ALLOW_FALLBACK_ENV, "") == "1":
+        return f"{ALLOW_FALLBACK_ENV}=1"
+    if os.environ.get(KERNELS_ENV, "") == "torch":
+        return f"{KERNELS_ENV}=torch"
+    return None
+
+
+def compute_path(device: torch.device | str = "cpu") -> str:
+    """Which code computes a model on `device` in this process, for stats and metrics: the C++
+    kernels and the ISA of their build, or PyTorch and why."""
+    device_type = torch.device(device).type
+    if device_type != "cpu":
+        return f"pytorch (device {device_type}: the C++ kernels are CPU only)"
+    if _is_loaded:
+        return f"cpu-kernels ({_isa})"
+    if os.environ.get(KERNELS_ENV, "") == "torch":
+        return f"pytorch ({KERNELS_ENV}=torch)"
+    if _build_error is not None:
+        return f"pytorch fallback (kernel build failed: {_build_error})"
+    return "pytorch (the C++ kernels were not loaded)"
 
 
 @contextlib.contextmanager
@@ -96,41 +181,88 @@ def one_builder(build_dir: pathlib.Path) -> Iterator[None]:
 
 def load_cpu_kernels() -> bool:
     """Build (first call on a machine) and load the ops; False means: use the PyTorch path."""
-    global _is_loaded, _tried
+    global _is_loaded, _tried, _isa, _build_error
     if _tried:
         return _is_loaded
     _tried = True
-    if os.environ.get("KVSERVICE_KERNELS", "") == "torch":
+    if os.environ.get(KERNELS_ENV, "") == "torch":
         return False
+    isa = machine_isa()
     if not hasattr(torch.ops.kvservice, "block_quant_linear"):
-        from torch.utils import cpp_extension
-
-        capability = torch.backends.cpu.get_cpu_capability()
-        isa_flags = _ISA_FLAGS.get(capability, [])
-        headers = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:8]
-        name = f"kvservice_cpu_kernels_{_EXTENSION_VERSION}_{capability.lower() if isa_flags else 'generic'}_{headers}"
         start = time.perf_counter()
         log.info("loading the C++ CPU kernels (built once per machine, then cached by torch)")
         try:
-            build_dir = pathlib.Path(cpp_extension._get_build_directory(name, False))
-            with one_builder(build_dir):
-                cpp_extension.load(
-                    name=name,
-                    sources=[str(s) for s in _SOURCES],
-                    # No FMA contraction: rotary then rounds exactly like the PyTorch formula.
-                    # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers; without it
-                    # every kernel ran on one thread. The build links libgomp.so.1, which resolves
-                    # to the one torch already loaded (same soname): one OpenMP pool, torch's.
-                    extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *isa_flags],
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(build_dir),
-                    is_python_module=False,
-                    verbose=False,
-                )
+            _build_and_load(isa)
         except Exception as e:  # no compiler, no ninja, a read-only cache...: the fallback still works
-            first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
-            log.warning("C++ CPU kernels unavailable, using the PyTorch path: %s", first_line)
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            _build_error = first_line[:200]
+            log.warning("C++ CPU kernels unavailable, using the ~7x slower PyTorch path: %s", _build_error)
             return False
-        log.info("C++ CPU kernels ready in %.1f s", time.perf_counter() - start)
+        log.info("C++ CPU kernels (%s) ready in %.1f s", isa, time.perf_counter() - start)
+    _isa = isa
     _is_loaded = True
     return True
+
+
+def _build_and_load(isa: str) -> None:
+    """Load the build keyed by this machine's ISA and these sources, building it first if it is
+    not in torch's cache. The build compiles copies of the sources under its own directory, so its
+    ninja file names no checkout: a checkout that resumes another's half-done build (same key, same
+    sources) does not rebuild what that one compiled."""
+    from torch.utils import cpp_extension
+
+    files = kernel_files()
+    cflags = compile_flags(isa)
+    name = extension_name(isa, build_key(files, cflags, isa))
+    build_dir = pathlib.Path(cpp_extension._get_build_directory(name, False))
+    library = build_dir / f"{name}.so"
+    with one_builder(build_dir):
+        if library.exists():
+            try:
+                torch.ops.load_library(str(library))
+                return
+            except OSError as e:  # a link killed midway leaves a truncated library: build it again
+                log.warning("rebuilding %s, which does not load: %s", library, e)
+                library.unlink(missing_ok=True)
+        sources = build_dir / "src"
+        sources.mkdir(exist_ok=True)
+        for path in files:
+            data = path.read_bytes()
+            copy = sources / path.name
+            if not copy.exists() or copy.read_bytes() != data:  # an unchanged copy keeps its mtime
+                copy.write_bytes(data)
+        cpp_extension.load(
+            name=name,
+            sources=[str(sources / source) for source in _SOURCE_NAMES],
+            extra_cflags=cflags,
+            extra_ldflags=_LDFLAGS,
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+
+
+def main() -> int:
+    """Build and load the kernels, print the compute path; 1 when they are unavailable and no
+    opt-out (`torch_fallback_opt_out`) says that is expected."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    is_loaded = load_cpu_kernels()
+    path = compute_path("cpu")
+    print(f"CPU compute path: {path}")
+    if is_loaded:
+        return 0
+    opt_out = torch_fallback_opt_out()
+    if opt_out is not None:
+        print(f"running on the PyTorch path, as {opt_out} allows")
+        return 0
+    print(
+        f"error: the C++ CPU kernels are unavailable here and servers would run ~7x slower ({path}).\n"
+        "Install a C++ compiler and ninja, or set "
+        f"{ALLOW_FALLBACK_ENV}=1 where the PyTorch path is expected.",
+        file=sys.stderr,
+    )
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,8 +3,9 @@
 A decode step of 16 greedy requests on SmolLM2 spent ~5 ms of ~40 in the LM head: 16 rows
 times 49,152 outputs of 576 float32 multiply-adds, at the matmul kernel's peak, for one
 largest logit a row. The C++ op estimates every logit with 8-bit integer dot products (AVX-512
-VNNI; AVX2's vpmaddubsw with x's integers within 63), bounds each estimate's error, and computes in float32 only the panels of 16 logits that
-may hold the largest, as `block_quant_linear` computes them: the token is the full logits'
+VNNI; AVX2's vpmaddubsw with x's integers within 63), bounds each estimate's error, and
+computes in float32 only the panels of 16 logits that may hold the largest, as
+`block_quant_linear` computes them: the token is the full logits'
 argmax, bit for bit, for batches of `MIN_ROWS` or more (fewer rows take other sums there, and
 read the weights at memory speed either way).
 

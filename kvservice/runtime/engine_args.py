@@ -78,7 +78,8 @@ def add_engine_arguments(
             help="the time from one decode step to the next that arriving prompts may cause, whatever the machine: "
             "a colocated worker's prompt lane and a prefill worker sharing the cores (--core-lease) compute prompts "
             "for what a decode step leaves of it (with --core-lease, of three decode steps where those take longer, "
-            "so decode keeps about a third of the cores while prompts wait); a step that chunks prompts adds prompt tokens until its time, "
+            "so decode keeps about a third of the cores while prompts wait); "
+            "a step that chunks prompts adds prompt tokens until its time, "
             "predicted from the steps measured so far, reaches it; 0: chunks of the fixed "
             f"--max-prefill-tokens-with-decode, and {DEFAULT_STEP_TARGET_MS:g} ms for the lane and the lease "
             f"(default: {step_target_ms:g})",
@@ -94,7 +95,8 @@ def add_engine_arguments(
             "--draft-model",
             default=None,
             help="speculative decoding: a draft model with the same vocabulary ('tiny' or a directory); "
-            "decode and colocated workers use it, a prefill worker ignores it (decode workers recompute the draft's KV)",
+            "decode and colocated workers use it, a prefill worker ignores it "
+            "(decode workers recompute the draft's KV)",
         ),
         group.add_argument(
             "--num-speculative-tokens", type=int, default=0, help="draft tokens proposed per step (default: 0, off)"
@@ -103,9 +105,10 @@ def add_engine_arguments(
             "--prompt-lane",
             action=argparse.BooleanOptionalAction,
             default=True,
-            help="colocated worker: compute prompts in batches of up to --max-num-batched-tokens, a slice of time before "
-            "each decode step (so decode steps start about --step-target-ms apart), instead of in chunks inside the decode "
-            "steps, which run them slower; prefill and decode workers ignore it (default: on)",
+            help="colocated worker: compute prompts in batches of up to --max-num-batched-tokens, "
+            "a slice of time before each decode step (so decode steps start about --step-target-ms apart), "
+            "instead of in chunks inside the decode steps, which run them slower; "
+            "prefill and decode workers ignore it (default: on)",
         ),
         group.add_argument(
             "--enable-prefix-caching",

@@ -1,7 +1,7 @@
 """Environment every kvservice worker process starts with (it must be set before the process starts).
 
 - glibc malloc: keep large message buffers out of fresh mmaps and untrimmed, the largest
-  single win for gRPC throughput measured here (0.35x -> 0.50x of raw TCP; DESIGN.md).
+  single win for gRPC throughput measured here (0.35x -> 0.50x of raw TCP; docs/benchmarks/method.md).
 - OpenMP threads that sleep instead of spinning against gRPC's threads on small machines,
   but only after a short spin (`GOMP_SPINCOUNT`): a decode step is ~150 parallel regions a
   few microseconds apart, and waking sleeping threads for each cost 12 ms of a 19 ms step

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 SERVING_NICE = 5
 COMPUTE_THREAD_NAMES = frozenset(
     {"engine-step", "kvs-pool"}
-)  # as kvservice.core.native_thread and the C++ pool name them
+)  # as kvservice.runtime.native_thread and the C++ pool name them
 
 
 def lower_serving_threads(compute_thread_ids: Iterable[int] = (), nice: int = SERVING_NICE) -> int:

@@ -104,7 +104,8 @@ def add_tls_arguments(parser: argparse.ArgumentParser, *, with_auth_token: bool 
         "--tls-ca",
         default=None,
         metavar="PEM",
-        help="CA that signs the peers: servers then require client certificates (mutual TLS), clients verify servers by it",
+        help="CA that signs the peers: servers then require client certificates (mutual TLS), "
+        "clients verify servers by it",
     )
     if with_auth_token:
         parser.add_argument(

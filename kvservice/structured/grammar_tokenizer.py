@@ -25,7 +25,8 @@ def build_grammar_tokenizer(
         backend = tokenizer.backend
         if backend.get_vocab_size(with_added_tokens=True) > vocab_size:
             raise ValueError(
-                f"the tokenizer has {backend.get_vocab_size(with_added_tokens=True)} tokens, more than the model's {vocab_size}"
+                f"the tokenizer has {backend.get_vocab_size(with_added_tokens=True)} tokens, "
+                f"more than the model's {vocab_size}"
             )
         return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
     if isinstance(tokenizer, ByteTokenizer):

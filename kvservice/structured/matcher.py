@@ -82,7 +82,8 @@ def _row_address(bitmask: torch.Tensor, row: int, mask_bytes: int) -> int:
         or bitmask.dtype.is_floating_point
     ):
         raise ValueError(
-            f"bitmask: expected an int32 [num_rows, words] CPU tensor, got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}"
+            "bitmask: expected an int32 [num_rows, words] CPU tensor, "
+            f"got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}"
         )
     if not bitmask.is_contiguous() or bitmask.shape[1] * 4 != mask_bytes:
         raise ValueError(f"bitmask: expected {mask_bytes // 4} contiguous words per row, got {tuple(bitmask.shape)}")

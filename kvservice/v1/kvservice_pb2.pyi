@@ -201,7 +201,7 @@ class KVTransferStats(_message.Message):
     def __init__(self, num_transfers: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., total_seconds: _Optional[float] = ..., staging_bytes_in_use: _Optional[int] = ..., staging_bytes_capacity: _Optional[int] = ..., num_staged_transfers: _Optional[int] = ..., num_shared_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("role", "num_blocks_total", "num_blocks_free", "num_running_requests", "num_waiting_requests", "kv_sending", "kv_receiving", "num_finished_requests", "num_aborted_requests", "num_waiting_for_remote_kv", "workers", "spec_decode", "num_preemptions", "prefix_cache")
+    __slots__ = ("role", "num_blocks_total", "num_blocks_free", "num_running_requests", "num_waiting_requests", "kv_sending", "kv_receiving", "num_finished_requests", "num_aborted_requests", "num_waiting_for_remote_kv", "workers", "spec_decode", "num_preemptions", "prefix_cache", "compute_path")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class StatsResponse(_message.Message):
     SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_PATH_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_blocks_total: int
     num_blocks_free: int
@@ -230,7 +231,8 @@ class StatsResponse(_message.Message):
     spec_decode: SpecDecodeStats
     num_preemptions: int
     prefix_cache: PrefixCacheStats
-    def __init__(self, role: _Optional[str] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_sending: _Optional[_Union[KVTransferStats, _Mapping]] = ..., kv_receiving: _Optional[_Union[KVTransferStats, _Mapping]] = ..., num_finished_requests: _Optional[int] = ..., num_aborted_requests: _Optional[int] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., spec_decode: _Optional[_Union[SpecDecodeStats, _Mapping]] = ..., num_preemptions: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
+    compute_path: str
+    def __init__(self, role: _Optional[str] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_sending: _Optional[_Union[KVTransferStats, _Mapping]] = ..., kv_receiving: _Optional[_Union[KVTransferStats, _Mapping]] = ..., num_finished_requests: _Optional[int] = ..., num_aborted_requests: _Optional[int] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., spec_decode: _Optional[_Union[SpecDecodeStats, _Mapping]] = ..., num_preemptions: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., compute_path: _Optional[str] = ...) -> None: ...
 
 class PrefixCacheStats(_message.Message):
     __slots__ = ("queries", "hits")

@@ -55,6 +55,27 @@ class DraftProposer:
 
     def propose(self, scheduled: list[ScheduledRequest], new_token_ids: dict[str, list[int]], sampler: Sampler) -> None:
         """After the target's step: catch the draft up and set each request's spec_token_ids."""
+        items, proposals = self._catch_up_items(scheduled, new_token_ids)
+        if not items:
+            return
+        batch = build_batch(items, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        if not proposals:
+            return
+        last = torch.tensor([batch.ends[p.item_index] - 1 for p in proposals], device=self.device)
+        self._sample(proposals, self.model.compute_logits(hidden[last]), sampler)
+        self._extend(proposals, sampler)
+        for p in proposals:
+            p.request.spec_token_ids = p.token_ids
+            if p.probs:
+                self.draft_probs[p.request.request_id] = torch.stack(p.probs)
+
+    def _catch_up_items(
+        self, scheduled: list[ScheduledRequest], new_token_ids: dict[str, list[int]]
+    ) -> tuple[list[BatchItem], list[_Proposal]]:
+        """The draft pass's batch: per running request, the tokens whose draft KV is missing
+        (advancing `num_draft_computed_tokens` past them); and the requests that propose,
+        each from the last token of its item."""
         items: list[BatchItem] = []
         proposals: list[_Proposal] = []
         for s in scheduled:
@@ -76,14 +97,10 @@ class DraftProposer:
             num_tokens = min(self.num_speculative_tokens, request.max_num_tokens - len(tokens) - 1) if is_free else 0
             if num_tokens > 0:
                 proposals.append(_Proposal(request, s.block_ids, len(items) - 1, num_tokens, [], []))
-        if not items:
-            return
-        batch = build_batch(items, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
-        if not proposals:
-            return
-        last = torch.tensor([batch.ends[p.item_index] - 1 for p in proposals], device=self.device)
-        self._sample(proposals, self.model.compute_logits(hidden[last]), sampler)
+        return items, proposals
+
+    def _extend(self, proposals: list[_Proposal], sampler: Sampler) -> None:
+        """The proposals' later tokens, one draft step each: the last proposed token in, the next one out."""
         for step in range(1, self.num_speculative_tokens):
             active = [p for p in proposals if p.num_tokens > step]
             if not active:
@@ -96,10 +113,6 @@ class DraftProposer:
             for p in active:
                 p.request.num_draft_computed_tokens += 1
             self._sample(active, self.model.compute_logits(hidden), sampler)
-        for p in proposals:
-            p.request.spec_token_ids = p.token_ids
-            if p.probs:
-                self.draft_probs[p.request.request_id] = torch.stack(p.probs)
 
     def _sample(self, proposals: list[_Proposal], logits: torch.Tensor, sampler: Sampler) -> None:
         for p, row in zip(proposals, logits):

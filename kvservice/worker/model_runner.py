@@ -71,14 +71,11 @@ class ModelRunner:
             load_cpu_kernels()  # at start-up, so no request waits for the build
             model.prepare_for_cpu(batch_hint=16)  # the packed layout suits any row count
 
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, defer_finalize: bool = False, eager_finalize: bool = False
-    ) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput, defer_finalize: bool = False) -> ModelRunnerOutput:
         """One step. With `defer_finalize`, the caller must call `finalize()` after its own draft pass.
 
-        With a draft model the save normally stays in flight during the draft pass;
-        `eager_finalize` waits for it before the draft pass instead (the baseline that
-        `kvservice bench spec` compares with)."""
+        With a draft model the save stays in flight during the draft pass (the connector
+        lifecycle's deferred finalize), and `finalize()` follows it."""
         self.sampler.forget(scheduler_output.finished_req_ids)
         if self.grammar_masks is not None:
             self.grammar_masks.forget(scheduler_output.finished_req_ids)
@@ -89,31 +86,17 @@ class ModelRunner:
                 return ModelRunnerOutput()
             return ModelRunnerOutput(kv_connector_output=kv_connector_no_forward(self.connector, scheduler_output))
         scheduled = scheduler_output.scheduled
-        items = [
-            BatchItem(
-                s.request.all_token_ids[
-                    s.request.num_computed_tokens : s.request.num_computed_tokens
-                    + s.num_new_tokens
-                    - len(s.spec_token_ids)
-                ]
-                + s.spec_token_ids,
-                s.request.num_computed_tokens,
-                s.block_ids,
-            )
-            for s in scheduled
-        ]
-        batch = build_batch(items, self.block_size, self.device)
-        draft_overlaps_save = self.drafter is not None and not eager_finalize
+        batch = build_batch([_batch_item(s) for s in scheduled], self.block_size, self.device)
         with maybe_get_kv_connector_output(
-            self.connector, scheduler_output, defer_finalize or draft_overlaps_save
+            self.connector, scheduler_output, defer_finalize or self.drafter is not None
         ) as kv_output:
             hidden = self.model(
                 batch.input_ids, batch.positions, self.kv_caches, batch.attn, self.connector, self.pause
             )
         sampled, logits, errors = self._sample(scheduled, batch, hidden)
         if self.drafter is not None:
-            self.drafter.propose(scheduled, sampled, self.sampler)
-            if draft_overlaps_save and not defer_finalize:
+            self.draft_pass(scheduled, sampled)
+            if not defer_finalize:
                 self.finalize()
         return ModelRunnerOutput(
             sampled,
@@ -122,6 +105,11 @@ class ModelRunner:
             self._prompt_logprobs(scheduled, batch, hidden),
             errors,
         )
+
+    def draft_pass(self, scheduled: list[ScheduledRequest], sampled: dict[str, list[int]]) -> None:
+        """The draft model's proposals for the next step, while the target's KV save is in flight."""
+        assert self.drafter is not None
+        self.drafter.propose(scheduled, sampled, self.sampler)
 
     def finalize(self) -> None:
         finalize_kv_connector(self.connector)
@@ -133,55 +121,63 @@ class ModelRunner:
         mask; speculative ones verify their drafts. Returns the tokens, the raw logits rows
         they came from for requests that want logprobs, and the requests that must fail."""
         sampling = [(i, s) for i, s in enumerate(scheduled) if s.is_sampling]
-        errors: dict[str, str] = {}
         if not sampling:
-            return {}, {}, errors
+            return {}, {}, {}
         rows: list[int] = []
         for i, s in sampling:
             rows.extend(batch.last_indices(i, 1 + len(s.spec_token_ids)))
         if all(_is_plain_greedy(s) for _, s in sampling):  # the tokens alone: no logits needed
             tokens = self.model.greedy_tokens(_select_rows(hidden, rows))
             if tokens is not None:
-                return {s.request.request_id: [token] for (_, s), token in zip(sampling, tokens)}, {}, errors
+                return {s.request.request_id: [token] for (_, s), token in zip(sampling, tokens)}, {}, {}
         logits = self.model.compute_logits(_select_rows(hidden, rows))
-        sampled: dict[str, list[int]] = {}
         offsets = _row_offsets([s for _, s in sampling])  # first logits row of each request
-        plain = [(n, s) for n, (_, s) in enumerate(sampling) if not s.spec_token_ids]
-        if plain:
-            plain_rows = _select_rows(logits, [offsets[n] for n, _ in plain])
-            is_constrained = any(s.request.sampling_params.structured_output is not None for _, s in plain)
-            if is_constrained and plain_rows is logits:
-                plain_rows = logits.clone()  # masked in place: `logits` stays raw, for the logprobs
-            if self.grammar_masks is not None and is_constrained:
-                errors = self.grammar_masks.apply(plain_rows, [s.request for _, s in plain])
-            request_ids = [s.request.request_id for _, s in plain]
-            params = [s.request.sampling_params for _, s in plain]
-            positions = [s.request.num_output_tokens for _, s in plain]
-            for request_id, token in zip(request_ids, self.sampler.sample(plain_rows, request_ids, params, positions)):
-                if request_id not in errors:
-                    sampled[request_id] = [token]
+        plain = [(offsets[n], s) for n, (_, s) in enumerate(sampling) if not s.spec_token_ids]
+        sampled, errors = self._sample_plain(logits, plain)
         for n, (_, s) in enumerate(sampling):
-            if not s.spec_token_ids:
-                continue
-            request = s.request
-            params = request.sampling_params
-            draft_probs = None if self.drafter is None else self.drafter.draft_probs.pop(request.request_id, None)
-            if draft_probs is not None:
-                draft_probs = draft_probs[: len(s.spec_token_ids)]
-            target_logits = logits[offsets[n] : offsets[n] + 1 + len(s.spec_token_ids)]
-            sampled[request.request_id] = verify_draft_tokens(
-                target_logits,
-                s.spec_token_ids,
-                draft_probs,
-                params,
-                self.sampler.generator_for(request.request_id, params, request.num_output_tokens),
-            )
+            if s.spec_token_ids:
+                sampled[s.request.request_id] = self._verify(logits, offsets[n], s)
         wanted = {
             s.request.request_id: logits[offsets[n] : offsets[n] + len(sampled[s.request.request_id])]
             for n, (_, s) in enumerate(sampling)
             if s.request.sampling_params.logprobs is not None and s.request.request_id in sampled
         }
         return sampled, wanted, errors
+
+    def _sample_plain(
+        self, logits: torch.Tensor, plain: list[tuple[int, ScheduledRequest]]
+    ) -> tuple[dict[str, list[int]], dict[str, str]]:
+        """One token per request without drafts (each given with its logits row), constrained
+        ones under their grammar's mask; the requests whose grammar allows no token fail."""
+        if not plain:
+            return {}, {}
+        plain_rows = _select_rows(logits, [row for row, _ in plain])
+        errors: dict[str, str] = {}
+        is_constrained = any(s.request.sampling_params.structured_output is not None for _, s in plain)
+        if is_constrained and plain_rows is logits:
+            plain_rows = logits.clone()  # masked in place: `logits` stays raw, for the logprobs
+        if self.grammar_masks is not None and is_constrained:
+            errors = self.grammar_masks.apply(plain_rows, [s.request for _, s in plain])
+        request_ids = [s.request.request_id for _, s in plain]
+        params = [s.request.sampling_params for _, s in plain]
+        positions = [s.request.num_output_tokens for _, s in plain]
+        tokens = self.sampler.sample(plain_rows, request_ids, params, positions)
+        return {r: [token] for r, token in zip(request_ids, tokens) if r not in errors}, errors
+
+    def _verify(self, logits: torch.Tensor, offset: int, s: ScheduledRequest) -> list[int]:
+        """A speculative request's accepted draft tokens, then the target's own."""
+        request = s.request
+        params = request.sampling_params
+        draft_probs = None if self.drafter is None else self.drafter.draft_probs.pop(request.request_id, None)
+        if draft_probs is not None:
+            draft_probs = draft_probs[: len(s.spec_token_ids)]
+        return verify_draft_tokens(
+            logits[offset : offset + 1 + len(s.spec_token_ids)],
+            s.spec_token_ids,
+            draft_probs,
+            params,
+            self.sampler.generator_for(request.request_id, params, request.num_output_tokens),
+        )
 
     def _sampled_logprobs(
         self, scheduled: list[ScheduledRequest], sampled: dict[str, list[int]], logits: dict[str, torch.Tensor]
@@ -256,3 +252,10 @@ def _row_offsets(sampling: list[ScheduledRequest]) -> list[int]:
         offsets.append(total)
         total += 1 + len(s.spec_token_ids)
     return offsets
+
+
+def _batch_item(s: ScheduledRequest) -> BatchItem:
+    """A scheduled request's tokens this step (its own, then its draft tokens to verify)."""
+    start = s.request.num_computed_tokens
+    own = s.request.all_token_ids[start : start + s.num_new_tokens - len(s.spec_token_ids)]
+    return BatchItem(own + s.spec_token_ids, start, s.block_ids)

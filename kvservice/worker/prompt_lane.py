@@ -15,15 +15,10 @@ The lane computes a prompt's tokens but its last: the request then decodes from 
 last prompt token computed and the first token sampled by an ordinary step (so every sampling
 option applies).
 
-`PromptLaneConnector` feeds the lane through the scheduler's asynchronous-load path (the KV
-connector contract): a waiting request matches, asynchronously, its tokens past its
-prefix-cache hit but the last one; the scheduler allocates their blocks and parks it in
-WAITING_FOR_REMOTE_KV; `start_load_kv` queues the step's new prompts in the lane and
-`get_finished` reports the requests whose batch has ended, which the scheduler then runs from
-their last prompt token. An aborted request's blocks are freed once the lane's forward no
-longer writes them. Requests the lane does not take compute in the ordinary steps: those that
-report the prompt's logprobs (every position's logits), parallel-sampling siblings (they share
-their leader's prompt blocks), and those with nothing to compute but their last token.
+The scheduler feeds the lane through a path of its own (`kvservice.engine.prompt_lane_path`):
+it queues a waiting request's tokens past its prefix-cache hit but the last one (`add`), drops
+an aborted one (`cancel`: its blocks are freed once the lane's forward no longer writes them),
+and runs the requests whose batch has ended (`take_finished`) from their last prompt token.
 """
 
 from __future__ import annotations
@@ -31,26 +26,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Generator
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from kvservice.connector.base import KVConnectorBase
-from kvservice.core.outputs import KVConnectorMetadata, SchedulerOutput
-from kvservice.core.request import Request
+from kvservice.core.outputs import LanePrompt
 from kvservice.model.model import CausalLM
 from kvservice.worker.input_batch import BatchItem, build_batch
-
-
-@dataclass(frozen=True, slots=True)
-class LanePrompt:
-    """The tokens whose KV the lane computes for one request, into its blocks."""
-
-    request_id: str
-    token_ids: list[int]
-    start: int  # position of token_ids[0] (past the request's cached prefix)
-    block_ids: list[int]
 
 
 class PromptLane:
@@ -146,55 +127,3 @@ class PromptLane:
         self._finished.update(p.request_id for p in self._batch)
         self._batch = []
         self._steps = None
-
-
-@dataclass(slots=True)
-class PromptLaneMetadata(KVConnectorMetadata):
-    prompts: list[LanePrompt] = field(default_factory=list)
-
-
-class PromptLaneConnector(KVConnectorBase):
-    def __init__(self, lane: PromptLane) -> None:
-        super().__init__()
-        self.lane = lane
-        self._new: list[LanePrompt] = []  # admitted this step, not yet handed to the lane
-
-    # ------------------------------------------------------------ scheduler side
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        num_tokens = request.num_tokens - 1 - num_computed_tokens  # all but the last
-        if num_tokens <= 0 or request.needs_prompt_logprobs or request.leader is not None:
-            return 0, False
-        return num_tokens, True
-
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        start = request.num_computed_tokens
-        self._new.append(
-            LanePrompt(
-                request.request_id, request.all_token_ids[start : start + num_external_tokens], start, list(block_ids)
-            )
-        )
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PromptLaneMetadata:
-        meta = PromptLaneMetadata(self._new)
-        self._new = []
-        return meta
-
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Delay freeing the blocks of a request whose prompt the lane's forward is computing."""
-        for prompt in self._new:
-            if prompt.request_id == request.request_id:
-                self._new.remove(prompt)
-                return False, None
-        return self.lane.cancel(request.request_id) is False, None
-
-    # ------------------------------------------------------------ worker side
-
-    def start_load_kv(self, forward_context: Any) -> None:
-        meta = self.connector_metadata
-        assert isinstance(meta, PromptLaneMetadata), type(meta)
-        for prompt in meta.prompts:
-            self.lane.add(prompt)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        return set(), self.lane.take_finished()

@@ -150,31 +150,39 @@ class DecodeStreams:
                 for event in batch.events:
                     _deliver(stream, event)
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED and self.is_supported is None:
-                logger.info("decode worker %s does not serve DecodeStream: a Decode call per request", self.address)
-                self.is_supported = False
-                ending = _UNSUPPORTED
-            elif e.code() in _KEPT_CODES:
-                ending = e
-            else:  # the requests lost their worker, whatever broke the stream (a write racing its end fails INTERNAL)
-                ending = rpc_error(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"the decode stream to {self.address} broke: {e.code().name}: {e.details()}",
-                )
+            ending = self._ending(e)
         except asyncio.CancelledError:
             ending = rpc_error(grpc.StatusCode.CANCELLED, "the proxy closed the decode stream")
             raise
         finally:
-            stream.is_ended = True
-            if self._stream is stream:
-                self._stream = None
-            for task in stream.tasks:
-                if task is not asyncio.current_task():
-                    task.cancel()
-            stream.call.cancel()
-            requests, stream.requests = stream.requests, {}
-            for queue in requests.values():
-                queue.put_nowait(ending)
+            self._retire(stream, ending)
+
+    def _ending(self, error: grpc.aio.AioRpcError) -> _Item:
+        """What the requests on a stream that failed with `error` get."""
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED and self.is_supported is None:
+            logger.info("decode worker %s does not serve DecodeStream: a Decode call per request", self.address)
+            self.is_supported = False
+            return _UNSUPPORTED
+        if error.code() in _KEPT_CODES:
+            return error
+        # The requests lost their worker, whatever broke the stream (a write racing its end fails INTERNAL).
+        return rpc_error(
+            grpc.StatusCode.UNAVAILABLE,
+            f"the decode stream to {self.address} broke: {error.code().name}: {error.details()}",
+        )
+
+    def _retire(self, stream: _Stream, ending: _Item) -> None:
+        """Retire `stream`: stop its other task and its call, and end every request on it with `ending`."""
+        stream.is_ended = True
+        if self._stream is stream:
+            self._stream = None
+        for task in stream.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        stream.call.cancel()
+        requests, stream.requests = stream.requests, {}
+        for queue in requests.values():
+            queue.put_nowait(ending)
 
 
 def _deliver(stream: _Stream, event: pb.DecodeStreamEvent) -> None:

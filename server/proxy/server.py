@@ -54,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME:PORT",
-        help="prefill workers by DNS: every A/AAAA record of NAME is one worker on PORT (a Kubernetes headless Service, "
-        "compose --scale, Swarm tasks.NAME); repeatable, beside --prefill",
+        help="prefill workers by DNS: every A/AAAA record of NAME is one worker on PORT "
+        "(a Kubernetes headless Service, compose --scale, Swarm tasks.NAME); repeatable, beside --prefill",
     )
     parser.add_argument(
         "--decode-dns", action="append", default=[], metavar="NAME:PORT", help="decode workers by DNS, as --prefill-dns"
@@ -64,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--discovery-interval",
         type=float,
         default=DEFAULT_DISCOVERY_INTERVAL_S,
-        help=f"seconds between DNS lookups of --prefill-dns/--decode-dns (default: {DEFAULT_DISCOVERY_INTERVAL_S:g}); a new address "
-        "joins once SERVING with its KV-event snapshot, a vanished one finishes its requests and is dropped",
+        help="seconds between DNS lookups of --prefill-dns/--decode-dns "
+        f"(default: {DEFAULT_DISCOVERY_INTERVAL_S:g}); a new address joins once SERVING with its KV-event snapshot, "
+        "a vanished one finishes its requests and is dropped",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 lets the OS pick (default: 0)")
@@ -79,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--http-port",
         type=int,
         default=None,
-        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/models, /health) on this port; 0 lets the OS pick (default: off)",
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/models, /health) on this port; "
+        "0 lets the OS pick (default: off)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -89,7 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="the workers' model (tiny, smollm2, a directory or a GGUF file): the proxy loads its tokenizer only, to route text and chat prompts by cache (--routing kv-aware) and for /tokenize and /detokenize, and its name and length for /v1/models (default: none)",
+        help="the workers' model (tiny, smollm2, a directory or a GGUF file): the proxy loads its tokenizer only, "
+        "to route text and chat prompts by cache (--routing kv-aware) and for /tokenize and /detokenize, "
+        "and its name and length for /v1/models (default: none)",
     )
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="the maximum length /v1/models reports (default: the model's)"
@@ -112,7 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--request-timeout",
         type=float,
         default=DEFAULT_REQUEST_TIMEOUT_S,
-        help=f"deadline of one request's calls to its workers, whole stream included, seconds (default: {DEFAULT_REQUEST_TIMEOUT_S:g})",
+        help="deadline of one request's calls to its workers, whole stream included, seconds "
+        f"(default: {DEFAULT_REQUEST_TIMEOUT_S:g})",
     )
     add_routing_arguments(parser)
     add_log_level_argument(parser)
@@ -169,9 +174,6 @@ async def serve(args: argparse.Namespace) -> int:
         router=router,
         tokenizer=tokenizer,
     )
-    # Each worker's cache index, from its KV events: only kv-aware routing and local prefill read it.
-    # The pools own the subscription tasks (`on_added` below) and cancel them when they drop or close.
-    subscriptions = KVEventSubscriptions([])
     discoveries = [
         Discovery(pool, [DNSName.parse(n) for n in names], args.discovery_interval)
         for pool, names in ((prefill, args.prefill_dns), (decode, args.decode_dns))
@@ -184,42 +186,14 @@ async def serve(args: argparse.Namespace) -> int:
     await server.set_serving(False)  # until a decode worker answers its health check
     # For liveness probes: the process answers, whatever its workers' state.
     await server.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    ready_line = f"kvservice proxy: listening on {args.host}:{port}"
-    runners: list[web.AppRunner] = []
     front: OpenAIFront | None = None
-    try:
-        if args.http_port is not None:
-            front = OpenAIFront(
-                service, served_name, lambda: decode.num_healthy > 0, args.auth_token, tokenizer, max_model_len
-            )
-            app = front.app()
-            app.router.add_get("/metrics", metrics_handler(metrics, None))
-            runner, http_port = await start_http(
-                app,
-                args.host,
-                args.http_port,
-                shutdown_timeout=args.grace_period,
-                ssl_context=tls.ssl_context(),
-                handler_cancellation=True,  # a client that hangs up aborts its request on both workers
-            )
-            runners.append(runner)
-            ready_line += f"; http on {args.host}:{http_port}"
-        if args.metrics_port is not None:
-            runner, metrics_port = await start_http(metrics_app(metrics), args.host, args.metrics_port)
-            runners.append(runner)
-            ready_line += f"; metrics on {args.host}:{metrics_port}"
-    except BaseException:
-        for runner in runners:
-            await runner.cleanup()
-        raise
-    for pool in (prefill, decode):
-        pool.needs_snapshot = router.needs_kv_events
-        pool.watch_health()
-        if router.needs_kv_events:
-            pool.on_added(subscriptions.follow)
+    if args.http_port is not None:
+        front = OpenAIFront(
+            service, served_name, lambda: decode.num_healthy > 0, args.auth_token, tokenizer, max_model_len
+        )
+    runners, http_ready = await _start_http(args, tls, metrics, front)
     # Every task the proxy starts is cancelled and awaited in on_stop.
-    monitor = asyncio.create_task(_monitor(server, prefill, decode, args.health_interval))
-    discovery_tasks = [asyncio.create_task(d.run(), name=f"discovery {d.pool.role}") for d in discoveries]
+    tasks = _start_tasks(args, server, router, prefill, decode, discoveries)
 
     async def drain_http(deadline: float) -> None:
         """Alongside the gRPC drain, within the same grace period: /health turns 503, new
@@ -236,7 +210,7 @@ async def serve(args: argparse.Namespace) -> int:
         await service.wait_until_idle(deadline)
 
     async def on_stop() -> None:
-        for task in [monitor, *discovery_tasks]:
+        for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -244,9 +218,68 @@ async def serve(args: argparse.Namespace) -> int:
         await decode.close()
 
     await server.run_until_signalled(
-        args.grace_period, on_stop, ready_line=ready_line, before_stop=drain_requests, alongside_stop=drain_http
+        args.grace_period,
+        on_stop,
+        ready_line=f"kvservice proxy: listening on {args.host}:{port}{http_ready}",
+        before_stop=drain_requests,
+        alongside_stop=drain_http,
     )
     return 0
+
+
+async def _start_http(
+    args: argparse.Namespace, tls: TLSFiles, metrics: ServerMetrics, front: OpenAIFront | None
+) -> tuple[list[web.AppRunner], str]:
+    """The HTTP servers the flags ask for: `front` with /metrics on --http-port, /metrics alone
+    on --metrics-port; their runners and their part of the ready line. When one fails to start,
+    those already started are cleaned up."""
+    runners: list[web.AppRunner] = []
+    ready = ""
+    try:
+        if front is not None:
+            app = front.app()
+            app.router.add_get("/metrics", metrics_handler(metrics, None))
+            runner, http_port = await start_http(
+                app,
+                args.host,
+                args.http_port,
+                shutdown_timeout=args.grace_period,
+                ssl_context=tls.ssl_context(),
+                handler_cancellation=True,  # a client that hangs up aborts its request on both workers
+            )
+            runners.append(runner)
+            ready += f"; http on {args.host}:{http_port}"
+        if args.metrics_port is not None:
+            runner, metrics_port = await start_http(metrics_app(metrics), args.host, args.metrics_port)
+            runners.append(runner)
+            ready += f"; metrics on {args.host}:{metrics_port}"
+    except BaseException:
+        for runner in runners:
+            await runner.cleanup()
+        raise
+    return runners, ready
+
+
+def _start_tasks(
+    args: argparse.Namespace,
+    server: GrpcServer,
+    router: Router,
+    prefill: WorkerPool,
+    decode: WorkerPool,
+    discoveries: list[Discovery],
+) -> list[asyncio.Task[None]]:
+    """Start watching the workers: their health (and, where routing reads it, their KV events)
+    and the DNS names to discover; the tasks the caller must cancel and await."""
+    # Each worker's cache index, from its KV events: only kv-aware routing and local prefill read it.
+    # The pools own the subscription tasks (`on_added` below) and cancel them when they drop or close.
+    subscriptions = KVEventSubscriptions([])
+    for pool in (prefill, decode):
+        pool.needs_snapshot = router.needs_kv_events
+        pool.watch_health()
+        if router.needs_kv_events:
+            pool.on_added(subscriptions.follow)
+    monitor = asyncio.create_task(_monitor(server, prefill, decode, args.health_interval))
+    return [monitor, *(asyncio.create_task(d.run(), name=f"discovery {d.pool.role}") for d in discoveries)]
 
 
 async def _monitor(server: GrpcServer, prefill: WorkerPool, decode: WorkerPool, interval: float) -> None:

@@ -12,9 +12,7 @@ degraded, never down.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import secrets
 from collections.abc import AsyncIterator
 
 import grpc
@@ -25,6 +23,7 @@ from kvservice.server.convert import check_prompt_length, check_stop_token_ids_c
 from kvservice.server.errors import StreamLost
 from kvservice.server.generation import StreamingGenerationService, new_request_id
 from kvservice.server.metrics import ServerMetrics
+from kvservice.server.proxy.pair_calls import PairCalls, after_first_token, first_response, num_sequences
 from kvservice.server.proxy.prompt_tokens import PromptTokens
 from kvservice.server.proxy.router import Router
 from kvservice.server.proxy.stats import cluster_stats
@@ -33,8 +32,6 @@ from kvservice.v1 import kvservice_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-# Prefill errors that mean "the request itself is bad": the client gets them as they are.
-_CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 # Errors that suggest the worker is gone: stop routing to it until its health check passes.
 _WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE}
 # Deadline of one request's calls to its workers (the whole decode stream included).
@@ -125,7 +122,7 @@ class ProxyService(StreamingGenerationService):
                     return
                 except DecodeWorkerLost as lost:
                     num_migrations = len(failed_decoders)
-                    if num_migrations >= self.migration_limit or _num_sequences(inner) > 1:
+                    if num_migrations >= self.migration_limit or num_sequences(inner) > 1:
                         why = (
                             f"--migration-limit {self.migration_limit} allows no further migration"
                             if num_migrations >= self.migration_limit
@@ -175,11 +172,7 @@ class ProxyService(StreamingGenerationService):
     ) -> AsyncIterator[pb.GenerateResponse]:
         call = decode_worker.decode_streams.open(pb.DecodeRequest(request=inner), self.request_timeout)
         try:
-            is_counted = False
-            async for response in call:
-                if not is_counted and response.token_ids:
-                    self._count_prefilled("decode_worker")
-                    is_counted = True
+            async for response in self._counted_on_first_token(call.__aiter__(), "decode_worker"):
                 yield response
         except grpc.aio.AioRpcError as e:
             raise self._decode_error(decode_worker, e) from None
@@ -194,104 +187,44 @@ class ProxyService(StreamingGenerationService):
     async def _disaggregated(
         self, prefill_worker: WorkerHandle, decode_worker: WorkerHandle, inner: pb.GenerateRequest
     ) -> AsyncIterator[pb.GenerateResponse]:
-        token = secrets.token_bytes(32)
-        decode_call = decode_worker.decode_streams.open(
-            pb.DecodeRequest(
-                request=inner,
-                kv_transfer_params=pb.KVTransferParams(remote_address=prefill_worker.address, transfer_token=token),
-            ),
-            self.request_timeout,
-        )
-        prefill = asyncio.ensure_future(
-            prefill_worker.stub.Prefill(
-                pb.PrefillRequest(request=_first_sequence(inner), transfer_token=token),
-                timeout=self.request_timeout,
-                metadata=prefill_worker.metadata,
-            )
-        )
-        decode_stream = decode_call.__aiter__()
-        # When the prefill worker is cut off, the decode worker's pull times out, it
-        # recomputes, and its first token ends the wait before the Prefill's deadline.
-        next_decode = asyncio.ensure_future(_next_or_none(decode_stream))
+        """Prefill on P and decode on D at once: P's first token goes out as soon as it comes,
+        then D's stream without its own copy of that token."""
+        calls = PairCalls.open(prefill_worker, decode_worker, inner, self.request_timeout)
         try:
-            first: pb.PrefillResponse | None = None
-            await asyncio.wait({prefill, next_decode}, return_when=asyncio.FIRST_COMPLETED)
-            if not prefill.done() and _asks_for_logprobs(inner):
-                # Only the prefill reports the first token's and the prompt's logprobs: the
-                # decode worker got its KV, so the prefill's answer is on its way.
-                await asyncio.wait({prefill})
-            if not prefill.done():
-                # Left running (cancelled only if still pending when the request ends): cancelling
-                # a prefill that is about to return would fail a transfer the decode worker holds.
-                logger.info(
-                    "request %s: the decode worker answered before the prefill on %s",
-                    inner.request_id,
-                    prefill_worker.address,
-                )
-            else:
-                try:
-                    first = prefill.result()
-                except grpc.aio.AioRpcError as e:
-                    if e.code() in _CLIENT_ERRORS:
-                        raise
-                    # The decode worker's pull fails too, and it recomputes: keep streaming from it.
-                    self._note_failure(self.prefill, prefill_worker, e)
-                    logger.warning(
-                        "request %s: prefill on %s failed (%s); the decode worker recomputes",
-                        inner.request_id,
-                        prefill_worker.address,
-                        e.code().name,
-                    )
-            # A prefill still running counts as its own: the decode worker answered first, normally with
-            # the pulled KV. Counted with the first token out (a request the workers refuse is no prefill).
-            where: str | None = "prefill_worker" if first is not None or not prefill.done() else "decode_worker"
-            # Sequence 0's first token is the prefill's: the decode worker's copy is dropped,
-            # and when that token already ended sequence 0, the rest of its copy too.
-            is_first_ending = first is not None and first.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+            first = await calls.first_token()
+            if (error := calls.prefill_failed) is not None:
+                self._note_failure(self.prefill, prefill_worker, error)
+            responses = calls.decode_responses()
             if first is not None:
                 self._count_prefilled("prefill_worker")
-                where = None
-                yield _first_response(inner.request_id, first)
-                if is_first_ending and _num_sequences(inner) == 1:
+                yield first_response(inner.request_id, first)
+                if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED and num_sequences(inner) == 1:
                     return
-            skip_first = first is not None
+                responses = after_first_token(responses, first)
+            else:
+                # A prefill still running counts as its own (the decode worker answered first,
+                # normally with the pulled KV); a failed one leaves the prompt to the decode worker.
+                where = "decode_worker" if calls.prefill.done() else "prefill_worker"
+                responses = self._counted_on_first_token(responses, where)
             try:
-                response = await next_decode
-                while response is not None:
-                    if where is not None and response.token_ids:
-                        self._count_prefilled(where)
-                        where = None
-                    if response.index == 0 and is_first_ending:
-                        pass
-                    elif skip_first and response.index == 0 and response.token_ids:
-                        skip_first = False
-                        response = _without_first_token(response, first.text if first is not None else "")
-                        if response.token_ids or response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                            yield response
-                    else:
-                        yield response
-                    response = await _next_or_none(decode_stream)
+                async for response in responses:
+                    yield response
             except grpc.aio.AioRpcError as e:
                 raise self._decode_error(decode_worker, e) from None
         finally:
-            decode_call.cancel()
-            if not next_decode.done():
-                next_decode.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                await next_decode
-            if not prefill.done():
-                prefill.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                await prefill
-            # Whatever the decode worker did (pulled, recomputed because its pull failed or never
-            # started, or never got this far), nobody pulls this transfer now: free its staging
-            # at once. After a completed pull it is already gone, and this is a no-op.
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await prefill_worker.stub.ReleaseKV(
-                    pb.ReleaseKVRequest(request_id=inner.request_id, transfer_token=token),
-                    timeout=2.0,
-                    metadata=prefill_worker.metadata,
-                )
+            await calls.close()
+
+    async def _counted_on_first_token(
+        self, responses: AsyncIterator[pb.GenerateResponse], where: str
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """`responses`, counting the prompt as prefilled `where` once its first token is out
+        (a request the workers refuse is no prefill)."""
+        is_counted = False
+        async for response in responses:
+            if not is_counted and response.token_ids:
+                self._count_prefilled(where)
+                is_counted = True
+            yield response
 
     def _decode_error(self, worker: WorkerHandle, error: grpc.aio.AioRpcError) -> Exception:
         """What a failed decode stream raises: DecodeWorkerLost when the worker is gone
@@ -305,14 +238,6 @@ class ProxyService(StreamingGenerationService):
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return await cluster_stats(self.prefill, self.decode, context.time_remaining())
-
-
-async def _next_or_none(stream: AsyncIterator[pb.GenerateResponse]) -> pb.GenerateResponse | None:
-    """The stream's next response, or None at its end."""
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
 class DecodeWorkerLost(Exception):
@@ -330,57 +255,3 @@ def _resumed(request: pb.GenerateRequest, streamed: list[int]) -> pb.GenerateReq
     resumed.CopyFrom(request)
     resumed.resume_token_ids.extend(streamed)
     return resumed
-
-
-def _without_first_token(response: pb.GenerateResponse, sent_text: str) -> pb.GenerateResponse:
-    """The decode worker's first token is the prefill's, already sent with `sent_text`: drop
-    it and that text. Text past it stays: what the decode worker released on finishing
-    (held back in case it started a stop string), or the text of tokens after the first."""
-    rest = pb.GenerateResponse()
-    rest.CopyFrom(response)
-    del rest.token_ids[0]
-    if rest.logprobs:
-        del rest.logprobs[0]
-    rest.ClearField("prompt_logprobs")  # the prefill's were sent
-    rest.ClearField("prompt_token_ids")
-    rest.ClearField("num_cached_tokens")
-    if not rest.token_ids:
-        rest.text = rest.text[len(sent_text) :] if rest.text.startswith(sent_text) else ""
-    return rest
-
-
-def _num_sequences(request: pb.GenerateRequest) -> int:
-    return request.sampling_params.n if request.sampling_params.HasField("n") else 1
-
-
-def _first_sequence(request: pb.GenerateRequest) -> pb.GenerateRequest:
-    """What the prefill worker runs: sequence 0 alone (the decode worker samples the others'
-    first tokens from the same prompt KV, so the KV travels once)."""
-    if _num_sequences(request) == 1:
-        return request
-    first = pb.GenerateRequest()
-    first.CopyFrom(request)
-    first.sampling_params.ClearField("n")
-    return first
-
-
-def _asks_for_logprobs(request: pb.GenerateRequest) -> bool:
-    sp = request.sampling_params
-    return sp.HasField("logprobs") or sp.HasField("prompt_logprobs")
-
-
-def _first_response(request_id: str, first: pb.PrefillResponse) -> pb.GenerateResponse:
-    """The prefill's first token as the stream's first chunk, with what the prompt gave."""
-    response = pb.GenerateResponse(
-        request_id=request_id,
-        token_ids=[first.first_token_id],
-        text=first.text,
-        finish_reason=first.finish_reason,
-        num_prompt_tokens=first.num_prompt_tokens,
-        prompt_logprobs=first.prompt_logprobs,
-        num_cached_tokens=first.num_cached_tokens,
-        prompt_token_ids=first.prompt_token_ids,
-    )
-    if first.HasField("first_token_logprobs"):
-        response.logprobs.append(first.first_token_logprobs)
-    return response

@@ -1,0 +1,145 @@
+"""Assembles an engine from its config: loads the target (and draft) model, sizes and allocates
+the KV cache, and wires the prompt lane, scheduler, step budget, grammars, runner, core lease
+and step trace. Construction lives here so `EngineCore` and `LLMEngine` only step and serve."""
+
+from __future__ import annotations
+
+import functools
+
+from kvservice.config import EngineConfig
+from kvservice.connector.base import KVConnectorBase
+from kvservice.core.block_hash import hash_seed
+from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.engine.engine import LLMEngine
+from kvservice.engine.engine_core import EngineCore
+from kvservice.engine.output_processor import OutputProcessor
+from kvservice.engine.scheduler import Scheduler
+from kvservice.engine.step_budget import StepTimeBudget
+from kvservice.engine.step_trace import StepTrace
+from kvservice.loading.model_files import load_model_config
+from kvservice.loading.model_loader import LoadedModel, load_model
+from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
+from kvservice.structured.grammar import GrammarCompiler
+from kvservice.worker.core_lease import CoreLease, LeaseRole
+from kvservice.worker.draft_proposer import DraftProposer
+from kvservice.worker.grammar_masks import GrammarMasks
+from kvservice.worker.model_runner import ModelRunner
+from kvservice.worker.prompt_lane import PromptLane
+
+
+def build_engine(
+    model: str,
+    config: EngineConfig,
+    connector: KVConnectorBase | None = None,
+    core_lease: CoreLease | None = None,
+    runner_cls: type[ModelRunner] = ModelRunner,
+) -> LLMEngine:
+    """An engine serving `model` ("tiny", "smollm2", a model directory or a GGUF file).
+
+    `connector` moves KV to or from other workers; `core_lease` makes steps take turns on the
+    cores with another worker (see `CoreLease`); `runner_cls` is the model runner to build (a
+    benchmark may time a variant)."""
+    core = build_engine_core(model, config, connector, core_lease, runner_cls)
+    return LLMEngine(core, build_output_processor(core))
+
+
+def build_engine_core(
+    model: str,
+    config: EngineConfig,
+    connector: KVConnectorBase | None = None,
+    core_lease: CoreLease | None = None,
+    runner_cls: type[ModelRunner] = ModelRunner,
+) -> EngineCore:
+    max_model_len = config.max_model_len or load_model_config(model).max_position_embeddings
+    loaded = load_model(model, config.dtype, config.device, max_model_len)
+    layout = KVCacheLayout.for_model(loaded.config, config.block_size, loaded.dtype)
+    draft = _load_draft(config, loaded, max_model_len)
+    draft_layout = None if draft is None else KVCacheLayout.for_model(draft.config, config.block_size, draft.dtype)
+    bytes_per_block = layout.bytes_per_block + (0 if draft_layout is None else draft_layout.bytes_per_block)
+    num_blocks = config.num_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
+    kv_caches = allocate_kv_caches(layout, num_blocks, loaded.device)
+    prompt_lane = None
+    if config.prompt_lane:
+        prompt_lane = PromptLane(
+            loaded.model, kv_caches, config.block_size, loaded.device, config.max_num_batched_tokens
+        )
+    if connector is not None:
+        connector.register_kv_caches(kv_caches, layout)
+    kv_hash_seed = hash_seed(model, str(loaded.dtype))
+    scheduler = _build_scheduler(config, num_blocks, kv_hash_seed, loaded.config.vocab_size, connector, prompt_lane)
+    drafter = None
+    if draft is not None and draft_layout is not None:
+        # Same block ids as the target's cache: one allocation serves both.
+        draft_caches = allocate_kv_caches(draft_layout, num_blocks, draft.device)
+        drafter = DraftProposer(
+            draft.model, draft_caches, config.block_size, config.num_speculative_tokens, draft.device
+        )
+    eos_token_ids = sorted(loaded.config.eos_token_ids)
+    grammar_compiler = functools.cache(
+        lambda: GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, eos_token_ids)
+    )
+    runner = runner_cls(
+        loaded.model,
+        kv_caches,
+        layout,
+        loaded.device,
+        config.seed,
+        connector,
+        drafter,
+        GrammarMasks(grammar_compiler),
+        core_lease.pause if core_lease is not None and core_lease.role is LeaseRole.YIELDING else None,
+    )
+    step_trace = StepTrace.from_env()
+    if core_lease is not None and step_trace is not None:
+        core_lease.turn_log = step_trace.turns
+        step_trace.lease_role = core_lease.role.value
+    return EngineCore(
+        config, loaded, draft, layout, kv_caches, scheduler, runner, connector, prompt_lane, core_lease,
+        step_trace, grammar_compiler, kv_hash_seed, max_model_len,
+    )  # fmt: skip
+
+
+def build_output_processor(core: EngineCore) -> OutputProcessor:
+    """The request bookkeeping in front of `core`: its tokenizer, end tokens and length limit."""
+    return OutputProcessor(core.loaded.tokenizer, frozenset(core.model_config.eos_token_ids), core.max_model_len)
+
+
+def _load_draft(config: EngineConfig, target: LoadedModel, max_model_len: int) -> LoadedModel | None:
+    """The speculative draft model, which must share the target's vocabulary."""
+    if config.draft_model is None:
+        return None
+    draft = load_model(config.draft_model, config.dtype, config.device, max_model_len)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"draft_model: vocabulary of {draft.config.vocab_size} tokens, the target's has {target.config.vocab_size}"
+        )
+    return draft
+
+
+def _build_scheduler(
+    config: EngineConfig,
+    num_blocks: int,
+    kv_hash_seed: int,
+    vocab_size: int,
+    connector: KVConnectorBase | None,
+    prompt_lane: PromptLane | None,
+) -> Scheduler:
+    step_budget = None
+    if config.step_target_ms is not None:
+        step_budget = StepTimeBudget(
+            config.step_target_ms / 1000,
+            config.max_prefill_tokens_with_decode or config.max_num_batched_tokens,
+            config.max_num_batched_tokens,
+        )
+    return Scheduler(
+        KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, kv_hash_seed),
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        connector,
+        config.kv_load_failure_policy,
+        vocab_size,
+        config.num_speculative_tokens,
+        config.max_prefill_tokens_with_decode,
+        step_budget,
+        prompt_lane,
+    )

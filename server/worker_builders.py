@@ -1,0 +1,195 @@
+"""One builder per worker role: each assembles its engine, connector and gRPC services.
+
+  prefill: Worker.Prefill + KVTransfer.PullKV, with a staging pool and a transfer registry;
+  decode:  Worker.Decode, with the pull connector;
+  both:    the client API (Generation) and, on request, the OpenAI HTTP API; no connector.
+
+Every role also serves Worker.Stats and Worker.SubscribeKVEvents. `kvservice.server.worker_server`
+runs what a builder returns: starts the engine, binds the port, serves until a signal, drains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvservice.config import EngineConfig
+from kvservice.connector.base import KVConnectorBase
+from kvservice.connector.decode_connector import DecodeKVConnector
+from kvservice.connector.kv_transfer_service import KVTransferService
+from kvservice.connector.prefill_connector import PrefillKVConnector
+from kvservice.connector.staging import StagingPool
+from kvservice.connector.transfer_registry import TransferRegistry
+from kvservice.engine.async_engine import AsyncLLMEngine
+from kvservice.engine.engine import LLMEngine
+from kvservice.engine.engine_builder import build_engine
+from kvservice.model.kv_cache import KVCacheLayout
+from kvservice.runtime.tls import TLSFiles
+from kvservice.server.auth import BearerTokenInterceptor, PeerNameInterceptor
+from kvservice.server.colocated_service import ColocatedGenerationService
+from kvservice.server.decode_service import DecodeWorkerService
+from kvservice.server.grpc_server import SERVICE_NAMES, GrpcServer
+from kvservice.server.kv_events import KVEventPublisher
+from kvservice.server.metrics import ServerMetrics
+from kvservice.server.prefill_service import PrefillWorkerService
+from kvservice.server.worker_service import EngineWorkerService
+from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
+from kvservice.worker.core_lease import CoreLease, LeaseRole
+
+logger = logging.getLogger(__name__)
+
+
+class StartupError(RuntimeError):
+    """What stops a worker before it serves, reported as one line (exit code 2)."""
+
+
+@dataclass(slots=True)
+class Worker:
+    """A built worker, not yet serving: what `worker_server.serve` starts, runs and stops."""
+
+    engine: LLMEngine
+    async_engine: AsyncLLMEngine
+    server: GrpcServer
+    worker_service: EngineWorkerService
+    metrics: ServerMetrics
+    kv_events: KVEventPublisher
+    generation: ColocatedGenerationService | None = None  # a colocated worker's client API
+    # Run once on stop, after the engine has stopped (connector threads, transfer buffers).
+    closers: list[Callable[[], None]] = field(default_factory=list)
+    # Background tasks the worker owns (lease expiry), cancelled on stop.
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # Before the grace period: what must finish or be promised before the server stops.
+    drain: Callable[[], Awaitable[None]] | None = None
+
+
+async def build_prefill_worker(
+    args: argparse.Namespace, config: EngineConfig, layout: KVCacheLayout, tls: TLSFiles
+) -> Worker:
+    """Prefill: stages each prompt's KV in a bounded pool and serves it to decode workers' pulls."""
+    pool = StagingPool(args.kv_staging_mib << 20, pin_memory=config.device.startswith("cuda"))
+    registry = TransferRegistry(pool, layout, args.kv_lease_seconds)
+    connector = PrefillKVConnector(registry)
+    engine, async_engine, kv_events = await _load_engine(args, config, connector, LeaseRole.YIELDING)
+    server = GrpcServer(
+        [SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], tls.server_credentials(), _interceptors(args)
+    )
+    transfer_service = KVTransferService(registry)
+    server.server.add_generic_rpc_handlers([transfer_service.handler()])
+    metrics = ServerMetrics(args.role)
+    service = PrefillWorkerService(
+        async_engine, registry, metrics=metrics, kv_events=kv_events, kv_sending=transfer_service.stats
+    )
+    pb_grpc.add_WorkerServicer_to_server(service, server.server)
+
+    async def drain() -> None:
+        # Decode workers were promised this KV: refusing their pulls would make them recompute.
+        if async_engine.error is None:
+            await service.drain()
+
+    return Worker(
+        engine, async_engine, server, service, metrics, kv_events,
+        closers=[connector.shutdown, transfer_service.close],
+        tasks=[asyncio.create_task(_expire_leases(registry))],
+        drain=drain,
+    )  # fmt: skip
+
+
+async def build_decode_worker(
+    args: argparse.Namespace, config: EngineConfig, layout: KVCacheLayout, tls: TLSFiles
+) -> Worker:
+    """Decode: pulls each prompt's KV from the prefill worker the request names, then generates."""
+    connector = DecodeKVConnector(
+        layout,
+        transfer_timeout=args.kv_transfer_timeout,
+        channel_credentials=tls.channel_credentials(),
+        auth_token=args.auth_token,
+        use_shared_memory=args.kv_transfer_shm,
+    )
+    # Read while the model loads (`--kv-peers -`); a decode worker fails here, before it computes anything.
+    reading_kv_peers = asyncio.ensure_future(read_kv_peers(args.kv_peers))
+    try:
+        engine, async_engine, kv_events = await _load_engine(args, config, connector, LeaseRole.FIRST)
+    except BaseException:
+        reading_kv_peers.cancel()
+        raise
+    kv_peers = await reading_kv_peers
+    connector.on_load_done = async_engine.wake
+    server = GrpcServer([SERVICE_NAMES["worker"]], tls.server_credentials(), _interceptors(args))
+    metrics = ServerMetrics(args.role)
+    service = DecodeWorkerService(async_engine, metrics=metrics, kv_peers=kv_peers, kv_events=kv_events)
+    pb_grpc.add_WorkerServicer_to_server(service, server.server)
+
+    async def drain() -> None:
+        service.drain()  # DecodeStreams never end by themselves: each ends once its requests have
+
+    return Worker(engine, async_engine, server, service, metrics, kv_events, closers=[connector.shutdown], drain=drain)
+
+
+async def build_colocated_worker(
+    args: argparse.Namespace, config: EngineConfig, layout: KVCacheLayout, tls: TLSFiles
+) -> Worker:
+    """Colocated (`both`): prefill and decode in one engine, serving clients directly; the baseline."""
+    engine, async_engine, kv_events = await _load_engine(args, config, None, LeaseRole.FIRST)
+    server = GrpcServer(
+        [SERVICE_NAMES["generation"], SERVICE_NAMES["worker"]], tls.server_credentials(), _interceptors(args)
+    )
+    metrics = ServerMetrics(args.role)
+    generation = ColocatedGenerationService(async_engine, metrics=metrics)
+    pb_grpc.add_GenerationServicer_to_server(generation, server.server)
+    service = EngineWorkerService(async_engine, "both", kv_events)
+    pb_grpc.add_WorkerServicer_to_server(service, server.server)
+    return Worker(engine, async_engine, server, service, metrics, kv_events, generation=generation)
+
+
+ROLE_BUILDERS = {"prefill": build_prefill_worker, "decode": build_decode_worker, "both": build_colocated_worker}
+
+
+async def read_kv_peers(given: list[str] | None) -> frozenset[str] | None:
+    """--kv-peers as given, or, for `-`, the addresses on stdin's first line (they may come long
+    after start: the launcher writes them once its prefill workers are ready)."""
+    if given != ["-"]:
+        return frozenset(given) if given is not None else None
+    line = await asyncio.to_thread(sys.stdin.readline)
+    peers = frozenset(line.split())
+    if not peers:
+        raise StartupError("--kv-peers -: stdin ended before a line of prefill addresses")
+    return peers
+
+
+async def _load_engine(
+    args: argparse.Namespace, config: EngineConfig, connector: KVConnectorBase | None, lease_role: LeaseRole
+) -> tuple[LLMEngine, AsyncLLMEngine, KVEventPublisher]:
+    """The engine (loaded off the event loop), its async driver (not started) and its KV events."""
+    core_lease = None
+    if args.core_lease is not None and config.device == "cpu":  # what a GPU worker shares is not its cores
+        core_lease = CoreLease(args.core_lease, lease_role, config.step_target_s)
+    engine = await asyncio.to_thread(build_engine, args.model, config, connector, core_lease)
+    kv_events = KVEventPublisher(asyncio.get_running_loop(), config.block_size, engine.core.kv_hash_seed)
+    async_engine = AsyncLLMEngine(
+        engine, max_queued_requests=args.max_queued_requests, kv_events_sink=kv_events.publish
+    )
+    return engine, async_engine, kv_events
+
+
+def _interceptors(args: argparse.Namespace) -> list[grpc.aio.ServerInterceptor]:
+    """Every role checks the bearer token on every RPC but health; workers can also check the peer's certificate."""
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if args.auth_token:
+        interceptors.append(BearerTokenInterceptor(args.auth_token))
+    if args.worker_peer_names is not None:
+        interceptors.append(PeerNameInterceptor(args.worker_peer_names))
+    return interceptors
+
+
+async def _expire_leases(registry: TransferRegistry) -> None:
+    while True:
+        await asyncio.sleep(1.0)  # lease granularity, not synchronisation
+        expired = registry.expire()
+        if expired:
+            logger.warning("KV lease expired for %d transfer(s): %s", len(expired), expired[:5])
