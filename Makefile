@@ -46,9 +46,11 @@ test-fast: setup kernels
 test-docker: setup
 	scripts/docker_e2e.sh
 
-# Style, import order and likely bugs (ruff; settings in pyproject.toml).
+# Style, import order, likely bugs, line length and function size (ruff; settings in
+# pyproject.toml), and the formatting `ruff format` gives.
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # Regenerate the committed gRPC stubs from proto/ (a test fails when they are stale).
 proto: setup
