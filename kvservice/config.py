@@ -190,6 +190,14 @@ SERVING_STEP_TARGET_MS = 80.0
 # of them instead (`DecodeCycle`): ~100-150 ms on 2 Zen 3 cores.
 LAUNCH_STEP_TARGET_MS = 70.0
 DEFAULT_KV_CACHE_MIB = 1024  # a worker's KV cache when neither --num-blocks nor --kv-cache-mib is given
+# Speculative decoding's proposers: a draft model, or prompt lookup (n-grams of the request's own tokens).
+SPECULATIVE_METHODS = ("draft", "ngram")
+# Prompt lookup tries the request's last 4, 3, then 2 tokens. A single token matches too often by
+# chance, and every rejected proposal costs the verify forward a token. SmolLM2, K=3, greedy, 6 chat
+# questions (up to 96 tokens): min 1 proposed 373 tokens, 10% accepted; min 2: 91, 23%; min 3: 33, 30%.
+# Asked to repeat a passage: 283 / 273 / 252 accepted of 419 tokens.
+DEFAULT_PROMPT_LOOKUP_MAX = 4
+DEFAULT_PROMPT_LOOKUP_MIN = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,9 +221,15 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     kv_load_failure_policy: str = "recompute"
-    # Speculative decoding: a draft model (same vocabulary) proposes tokens the target verifies.
+    # Speculative decoding: a proposer suggests up to num_speculative_tokens tokens a step, which the
+    # target verifies. "draft": a draft model (same vocabulary); "ngram": prompt lookup, the tokens
+    # that followed the latest earlier occurrence of the request's last n tokens (n from
+    # prompt_lookup_max down to prompt_lookup_min); None: off. A draft_model alone means "draft".
+    speculative_method: str | None = None
     draft_model: str | None = None
     num_speculative_tokens: int = 0
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
     # Automatic prefix caching: full blocks are kept, keyed by their tokens, and shared.
     enable_prefix_caching: bool = True
     # A colocated worker computes prompts in batches of up to max_num_batched_tokens, in slices of
@@ -234,14 +248,38 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
-        if (self.draft_model is None) != (self.num_speculative_tokens == 0):
-            raise ValueError("draft_model and num_speculative_tokens > 0 go together: set both or neither")
+        self._check_speculative()
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(
                 f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "
                 f"got {self.kv_load_failure_policy!r}"
+            )
+
+    def _check_speculative(self) -> None:
+        """The speculative fields agree: a method with its proposer and K > 0, or no method and K = 0."""
+        if self.speculative_method is None and self.draft_model is not None:
+            object.__setattr__(self, "speculative_method", "draft")  # frozen: the one normalisation
+        method, k = self.speculative_method, self.num_speculative_tokens
+        if method is not None and method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+        if k < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
+        if method is None and k > 0:
+            raise ValueError(
+                f"num_speculative_tokens={k} needs a speculative_method: 'ngram', or 'draft' with a draft_model"
+            )
+        if method is not None and k == 0:
+            given = "" if self.draft_model is None else f" (draft_model={self.draft_model!r})"
+            raise ValueError(f"speculative_method={method!r}{given} needs num_speculative_tokens > 0")
+        if method == "draft" and self.draft_model is None:
+            raise ValueError("speculative_method='draft' needs a draft_model")
+        if method == "ngram" and self.draft_model is not None:
+            raise ValueError(f"draft_model={self.draft_model!r}: speculative_method='ngram' proposes without a model")
+        _check_positive(prompt_lookup_min=self.prompt_lookup_min)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"prompt_lookup_max must be >= prompt_lookup_min ({self.prompt_lookup_min}), "
+                f"got {self.prompt_lookup_max}"
             )
 
     def _check_sizes(self) -> None:

@@ -136,8 +136,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.role != "both":  # the lane is a colocated worker's own prefill
         config = dataclasses.replace(config, prompt_lane=False)
     if args.role == "prefill":
-        # The draft's KV never travels: a prefill worker would compute it for nobody.
-        return dataclasses.replace(config, draft_model=None, num_speculative_tokens=0)
+        # A prefill worker samples only the first token, so it verifies nothing; and the draft's
+        # KV never travels: it would compute it for nobody.
+        return dataclasses.replace(config, speculative_method=None, draft_model=None, num_speculative_tokens=0)
     return config
 
 

@@ -1,10 +1,12 @@
 """Speculative decoding: greedy equals plain greedy, sampling keeps the target's law,
-the draft pass overlaps the KV save (finalize after it), and no block leaks."""
+the draft pass overlaps the KV save (finalize after it), and no block leaks; with a draft
+model and with prompt lookup (ngram)."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from test_connector_lifecycle import RecordingConnector
 from kvservice import LLM, SamplingParams
 from kvservice.config import EngineConfig
 from kvservice.engine.engine_builder import build_engine
+from kvservice.worker.ngram_proposer import NgramProposer
 from kvservice.worker.rejection_sampler import verify_draft_tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -215,3 +218,121 @@ async def test_disaggregated_speculative_greedy_equals_plain_and_frees_everythin
             async with grpc.aio.insecure_channel(address) as channel:
                 stats = await pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=10)
             assert stats.num_blocks_free == stats.num_blocks_total
+
+
+# ---------------------------------------------------------------- prompt lookup (ngram)
+
+NGRAM = dict(speculative_method="ngram", num_speculative_tokens=3)
+# Prompts that repeat themselves, so lookups find matches; and random ones, where they rarely do.
+REPETITIVE_PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 4, [100, 200, 300] * 5 + [7], [40, 41, 42, 43] * 6]
+
+
+def test_greedy_ngram_speculation_equals_plain_greedy() -> None:
+    prompts = REPETITIVE_PROMPTS + random_prompts([1, 5, 17, 33], seed=3, vocab_size=256)
+    plain = LLM("tiny", **ENGINE).generate(prompts, GREEDY)
+    llm = LLM("tiny", **NGRAM, **ENGINE)
+    spec = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    scheduler = llm.engine.core.scheduler
+    # The counters count lookups as they count a draft's: some proposals accepted, some not.
+    assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+    assert scheduler.num_verify_steps > 0
+    assert llm.engine.num_free_blocks == llm.engine.num_blocks
+
+
+def test_ngram_needs_no_draft_model_and_keeps_every_kv_block() -> None:
+    sized = dict(ENGINE, num_blocks=None, kv_cache_memory_bytes=4 << 20)
+    plain = build_engine("tiny", EngineConfig(**sized))
+    ngram = build_engine("tiny", EngineConfig(**NGRAM, **sized))
+    drafted = build_engine("tiny", EngineConfig(draft_model="tiny", num_speculative_tokens=3, **sized))
+    assert isinstance(ngram.core.runner.drafter, NgramProposer) and ngram.core.draft is None
+    assert ngram.num_blocks == plain.num_blocks > drafted.num_blocks  # a draft's KV shares the budget
+    assert ngram.core.scheduler.num_lookahead_tokens == 0  # no draft pass writes KV ahead
+
+
+def test_sampled_verification_of_lookups_with_top_k_1_equals_greedy() -> None:
+    """The sampling path (rejection sampling with one-hot draft laws) end to end: with top_k=1 the
+    target's law is one-hot too, so every draw is the argmax and the output is greedy's."""
+    top_1 = SamplingParams(temperature=1.0, top_k=1, max_tokens=GREEDY.max_tokens, seed=7, ignore_eos=True)
+    plain = LLM("tiny", **ENGINE).generate(REPETITIVE_PROMPTS, GREEDY)
+    llm = LLM("tiny", **NGRAM, **ENGINE)
+    spec = llm.generate(REPETITIVE_PROMPTS, top_1)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    scheduler = llm.engine.core.scheduler
+    assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+
+
+def test_rejection_sampling_of_deterministic_drafts_keeps_the_target_distribution() -> None:
+    """Prompt lookup proposes fixed tokens (one-hot draft laws, draft_probs=None): the emitted
+    tokens still follow p, at the first position and at the second after an acceptance."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, trials = 6, 12000
+    target_logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 0.2, 1.5, -0.5, 0.9, 0.0], [0.0] * 6])
+    drafts = [3, 2]  # p[0][3] is small (mostly rejected), p[1][2] large (mostly accepted)
+    params = SamplingParams(temperature=1.0)
+    p = target_logits.softmax(-1)
+    first = torch.zeros(vocab)
+    second_given_accepted = torch.zeros(vocab)
+    for _ in range(trials):
+        out = verify_draft_tokens(target_logits, drafts, None, params, gen)
+        first[out[0]] += 1
+        if out[0] == drafts[0]:
+            second_given_accepted[out[1]] += 1
+    critical = 20.52  # chi-square, 5 degrees of freedom, p = 0.001
+    expected = p[0] * trials
+    assert float(((first - expected) ** 2 / expected).sum()) < critical
+    n = second_given_accepted.sum()
+    expected2 = p[1] * n
+    assert n > 400 and float(((second_given_accepted - expected2) ** 2 / expected2).sum()) < critical
+    # And the test can fail: always accepting, or never, would be far from p.
+    uniform = torch.full((vocab,), trials / vocab)
+    assert float(((first - uniform) ** 2 / uniform).sum()) > 10 * critical
+    assert 0 < first[drafts[0]] < trials
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(speculative_method="ngram"), "speculative_method='ngram' needs num_speculative_tokens > 0"),
+        (dict(speculative_method="ngram", num_speculative_tokens=3, draft_model="tiny"), "draft_model='tiny'"),
+        (dict(speculative_method="draft", num_speculative_tokens=3), "speculative_method='draft' needs a draft_model"),
+        (dict(num_speculative_tokens=3), "num_speculative_tokens=3 needs a speculative_method"),
+        (dict(draft_model="tiny"), "speculative_method='draft' (draft_model='tiny') needs num_speculative_tokens > 0"),
+        (dict(speculative_method="eagle", num_speculative_tokens=3), "speculative_method must be one of draft, ngram"),
+        (dict(speculative_method="ngram", num_speculative_tokens=-1), "num_speculative_tokens must be >= 0"),
+        (dict(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=0), "prompt_lookup_min"),
+        (dict(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_max=1), "prompt_lookup_max"),
+    ],
+)
+def test_speculative_config_errors_name_the_field(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_a_draft_model_alone_means_the_draft_method() -> None:
+    assert EngineConfig(draft_model="tiny", num_speculative_tokens=3).speculative_method == "draft"
+    assert EngineConfig(speculative_method="ngram", num_speculative_tokens=3).draft_model is None
+    assert EngineConfig().speculative_method is None
+
+
+async def test_disaggregated_ngram_speculation_equals_plain_greedy(models: tuple[pathlib.Path, pathlib.Path]) -> None:
+    """1P1D with --speculative-method ngram: the prefill worker runs without it (it samples one
+    token), the decode worker looks up and verifies, and the output is plain greedy's."""
+    from kvservice.client.client import KVServiceClient
+
+    target, _ = models
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12] * 4, *random_prompts([33], seed=11)]
+    plain = LLM(str(target), **ENGINE).generate(prompts, GREEDY)
+    worker_args = ["--num-blocks", "64", "--num-threads", "1", "--speculative-method", "ngram"]
+    worker_args += ["--num-speculative-tokens", "3"]
+    async with local_cluster(str(target), num_prefill=1, num_decode=1, worker_args=worker_args) as cluster:
+        async with KVServiceClient(cluster.address) as client:
+            for prompt, expected in zip(prompts, plain):
+                out = await client.complete(prompt, max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True)
+                assert out.token_ids == expected.token_ids
+            cluster_stats = await client.stats()
+    workers = {w.stats.role: w.stats for w in cluster_stats.workers}
+    assert workers["decode"].spec_decode.num_draft_tokens > 0  # the decode worker did speculate
+    assert workers["decode"].spec_decode.num_accepted_tokens > 0
+    assert workers["decode"].kv_receiving.num_transfers == len(prompts)  # and pulled, not recomputed
+    assert workers["prefill"].spec_decode.num_draft_tokens == 0

@@ -7,33 +7,58 @@
    first layer, of a target whose later layers are damped) and with one that rarely
    agrees (independent random weights). Run with the servers' OpenMP settings
    (process_env.WORKER_ENV): the staging copy thread and spinning OpenMP threads fight otherwise.
+
+With `--method ngram`, instead: prompt lookup (no draft model) on a real model (`--model`,
+SmolLM2 by default), greedy, against no speculation on the same engine settings: the time per
+output token and the acceptance rate on chat questions (little to look up) and on requests to
+repeat a passage (the answer is in the prompt).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 
 from kvservice.client.bench.engine import BENCH_MODEL
-from kvservice.config import EngineConfig
+from kvservice.client.demo import DEMO_QUESTIONS
+from kvservice.config import DEFAULT_PROMPT_LOOKUP_MAX, DEFAULT_PROMPT_LOOKUP_MIN, EngineConfig
 from kvservice.connector.base import TRANSFER_TOKEN
 from kvservice.connector.prefill_connector import PrefillKVConnector
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import TransferRegistry
 from kvservice.core.outputs import ScheduledRequest
 from kvservice.core.sampling_params import SamplingParams
+from kvservice.engine.engine import LLMEngine
 from kvservice.engine.engine_builder import build_engine
+from kvservice.loading.chat_template import apply_chat_template
 from kvservice.loading.model_files import load_model_config
 from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.worker.model_runner import ModelRunner
 
 LATE_LAYER_SCALE = 0.02
+# `--method ngram`'s repetitive workload: the model is asked to repeat one of these word for word.
+PASSAGES = [
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished "
+    "the great lens until it shone, and wrote the weather in a leather book: wind from the west, light rain, "
+    "three ships passing north. In forty years he missed only one evening, the night his daughter was born.",
+    "To make bread, mix flour, water, salt and yeast into a soft dough. Knead it for ten minutes, until it is "
+    "smooth and springs back when pressed. Let it rise in a warm place for an hour, shape it into a loaf, let "
+    "it rise again, and bake it in a hot oven for thirty-five minutes, until the crust is brown.",
+    "A cache keeps a copy of data close to where it is used, so that the next request for it is fast. When "
+    "the cache is full, something must be evicted: often the entry used least recently. A good cache is small "
+    "enough to be fast and large enough to hold what is about to be needed again.",
+    "The river begins as snow on the high peaks. In spring it melts into streams that join in the valleys, "
+    "turn mill wheels in the old towns, water the orchards on the plain, and at last spread into a wide, slow "
+    "delta where herons stand in the reeds and the water meets the sea.",
+]
 
 
 def save_models(root: pathlib.Path, num_layers: int) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
@@ -156,19 +181,171 @@ def decode_tokens_per_s(
     return len(prompts) * (max_tokens - 1) / elapsed, engine.core.scheduler.make_stats().spec_decoding.acceptance_rate
 
 
+@dataclass(frozen=True, slots=True)
+class NgramRun:
+    """One workload on one engine: the time per output token after each request's first (TPOT,
+    over all the requests' tokens), and the speculative counters of the run."""
+
+    tpot_s: float
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_verify_steps: int
+    token_ids: list[list[int]]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        return 1 + self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else 1.0
+
+
+def ngram_workloads(engine: LLMEngine, num_prompts: int) -> dict[str, list[list[int]]]:
+    """Chat questions, and requests to repeat a passage, as chat-templated prompts."""
+
+    def chat(text: str) -> list[int]:
+        return apply_chat_template(engine.tokenizer, [{"role": "user", "content": text}])
+
+    repeat = [f"Repeat the following passage word for word.\n\n{p}" for p in PASSAGES]
+    return {
+        "chat": [chat(DEMO_QUESTIONS[i % len(DEMO_QUESTIONS)]) for i in range(num_prompts)],
+        "repeat": [chat(repeat[i % len(repeat)]) for i in range(num_prompts)],
+    }
+
+
+def timed_decode(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> NgramRun:
+    """Greedy answers to `prompts` (all at once), stopping at EOS as a server would."""
+    before = engine.core.scheduler.make_stats().spec_decoding
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    request_ids = [engine.add_request(prompt, params) for prompt in prompts]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    token_ids: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            first.setdefault(out.request_id, now)
+            last[out.request_id] = now
+            token_ids[out.request_id] = out.token_ids
+    # Over all the requests' tokens after their first: a short answer's few gaps weigh as few.
+    num_gaps = sum(len(token_ids[r]) - 1 for r in request_ids)
+    after = engine.core.scheduler.make_stats().spec_decoding
+    return NgramRun(
+        sum(last[r] - first[r] for r in request_ids) / max(num_gaps, 1),
+        after.num_draft_tokens - before.num_draft_tokens,
+        after.num_accepted_tokens - before.num_accepted_tokens,
+        after.num_verify_steps - before.num_verify_steps,
+        [token_ids[r] for r in request_ids],
+    )
+
+
+def ngram_main(args: argparse.Namespace) -> int:
+    """`--method ngram`: prompt lookup against no speculation, per workload, on one machine."""
+    plain_config = EngineConfig(
+        max_num_seqs=args.decode_batch, max_model_len=2048, kv_cache_memory_bytes=128 << 20, device=args.device
+    )
+    ngram_config = dataclasses.replace(
+        plain_config,
+        speculative_method="ngram",
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_max=args.prompt_lookup_max,
+        prompt_lookup_min=args.prompt_lookup_min,
+    )
+    engines = {
+        "no speculation": build_engine(args.model, plain_config),
+        "ngram": build_engine(args.model, ngram_config),
+    }
+    workloads = ngram_workloads(engines["ngram"], args.decode_batch)
+    for engine in engines.values():  # warm-up: kernels, allocator, the batch's shapes, a verify step's path
+        for prompts in workloads.values():
+            timed_decode(engine, prompts, 16)
+    rounds: dict[str, dict[str, list[NgramRun]]] = {name: {mode: [] for mode in engines} for name in workloads}
+    for _ in range(args.repeats):  # alternating: a change in the machine's load hits both modes alike
+        for name, prompts in workloads.items():
+            for mode, engine in engines.items():
+                rounds[name][mode].append(timed_decode(engine, prompts, args.max_tokens))
+    # Greedy: every round emits the same tokens, with the same counters; only the times vary.
+    runs = {
+        name: {mode: dataclasses.replace(r[0], tpot_s=statistics.median(x.tpot_s for x in r)) for mode, r in by.items()}
+        for name, by in rounds.items()
+    }
+    _report_ngram(args, runs)
+    return 0
+
+
+def _report_ngram(args: argparse.Namespace, runs: dict[str, dict[str, NgramRun]]) -> None:
+    print(
+        f"ngram speculation on {args.model}, K={args.num_speculative_tokens}, lookup "
+        f"{args.prompt_lookup_max}..{args.prompt_lookup_min} tokens, batch {args.decode_batch}, "
+        f"up to {args.max_tokens} tokens (greedy), median of {args.repeats} rounds:"
+    )
+    print(f"  {'workload':<10} {'TPOT plain':>11} {'TPOT ngram':>11} {'speedup':>8} {'accepted':>9} {'tok/verify':>11}")
+    for name, by_mode in runs.items():
+        plain, ngram = by_mode["no speculation"], by_mode["ngram"]
+        same = "" if ngram.token_ids == plain.token_ids else "  (outputs differ!)"
+        print(
+            f"  {name:<10} {1000 * plain.tpot_s:8.1f} ms {1000 * ngram.tpot_s:8.1f} ms "
+            f"{plain.tpot_s / ngram.tpot_s:7.2f}x {ngram.acceptance_rate:9.2f} {ngram.tokens_per_verify:11.2f}{same}"
+        )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    name: {
+                        "tpot_plain_s": by_mode["no speculation"].tpot_s,
+                        "tpot_ngram_s": by_mode["ngram"].tpot_s,
+                        "acceptance_rate": by_mode["ngram"].acceptance_rate,
+                        "tokens_per_verify": by_mode["ngram"].tokens_per_verify,
+                        "same_tokens": by_mode["ngram"].token_ids == by_mode["no speculation"].token_ids,
+                    }
+                    for name, by_mode in runs.items()
+                }
+            )
+        )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--method",
+        choices=("draft", "ngram"),
+        default="draft",
+        help="draft: the finalize order and draft models on a random target; ngram: prompt lookup on --model, "
+        "chat and repeat-a-passage workloads, against no speculation (default: draft)",
+    )
+    parser.add_argument("--model", default="smollm2", help="--method ngram's target (default: smollm2)")
+    parser.add_argument(
+        "--prompt-lookup-max",
+        type=int,
+        default=DEFAULT_PROMPT_LOOKUP_MAX,
+        help=f"--method ngram (default: {DEFAULT_PROMPT_LOOKUP_MAX})",
+    )
+    parser.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        default=DEFAULT_PROMPT_LOOKUP_MIN,
+        help=f"--method ngram (default: {DEFAULT_PROMPT_LOOKUP_MIN})",
+    )
     parser.add_argument("--num-layers", type=int, default=8, help="target layers (default: 8)")
     parser.add_argument("--prompt-len", type=int, default=512, help="prefill benchmark prompt tokens (default: 512)")
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts per prefill step (default: 4)")
     parser.add_argument("--decode-batch", type=int, default=4, help="decode benchmark batch (default: 4)")
     parser.add_argument("--max-tokens", type=int, default=64, help="decode benchmark tokens per request (default: 64)")
     parser.add_argument("--num-speculative-tokens", type=int, default=3, help="K (default: 3)")
-    parser.add_argument("--repeats", type=int, default=5, help="prefill step repeats per mode (default: 5)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="prefill step repeats per mode; --method ngram: rounds of every workload, TPOT their median (default: 5)",
+    )
     parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default: cpu)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.method == "ngram":
+        return ngram_main(args)
     gen = torch.Generator().manual_seed(0)
     vocab = BENCH_MODEL["vocab_size"]
     with tempfile.TemporaryDirectory() as tmp:

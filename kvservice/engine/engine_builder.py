@@ -24,7 +24,9 @@ from kvservice.worker.core_lease import CoreLease, LeaseRole
 from kvservice.worker.draft_proposer import DraftProposer
 from kvservice.worker.grammar_masks import GrammarMasks
 from kvservice.worker.model_runner import ModelRunner
+from kvservice.worker.ngram_proposer import NgramProposer
 from kvservice.worker.prompt_lane import PromptLane
+from kvservice.worker.proposer import Proposer
 
 
 def build_engine(
@@ -67,13 +69,15 @@ def build_engine_core(
         connector.register_kv_caches(kv_caches, layout)
     kv_hash_seed = hash_seed(model, str(loaded.dtype))
     scheduler = _build_scheduler(config, num_blocks, kv_hash_seed, loaded.config.vocab_size, connector, prompt_lane)
-    drafter = None
+    drafter: Proposer | None = None
     if draft is not None and draft_layout is not None:
         # Same block ids as the target's cache: one allocation serves both.
         draft_caches = allocate_kv_caches(draft_layout, num_blocks, draft.device)
         drafter = DraftProposer(
             draft.model, draft_caches, config.block_size, config.num_speculative_tokens, draft.device
         )
+    elif config.speculative_method == "ngram":  # no model, no KV: the cache keeps all its blocks
+        drafter = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
     eos_token_ids = sorted(loaded.config.eos_token_ids)
     grammar_compiler = functools.cache(
         lambda: GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, eos_token_ids)
@@ -138,7 +142,8 @@ def _build_scheduler(
         connector,
         config.kv_load_failure_policy,
         vocab_size,
-        config.num_speculative_tokens,
+        # The draft model's pass writes KV past the scheduled tokens; prompt lookup writes none.
+        config.num_speculative_tokens if config.speculative_method == "draft" else 0,
         config.max_prefill_tokens_with_decode,
         step_budget,
         prompt_lane,

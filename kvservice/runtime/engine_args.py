@@ -12,9 +12,12 @@ import argparse
 from kvservice.config import (
     DEFAULT_KV_CACHE_MIB,
     DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE,
+    DEFAULT_PROMPT_LOOKUP_MAX,
+    DEFAULT_PROMPT_LOOKUP_MIN,
     DEFAULT_STEP_TARGET_MS,
     KV_LOAD_FAILURE_POLICIES,
     SERVING_STEP_TARGET_MS,
+    SPECULATIVE_METHODS,
     SUPPORTED_DTYPES,
     EngineConfig,
 )
@@ -91,16 +94,7 @@ def add_engine_arguments(
             choices=KV_LOAD_FAILURE_POLICIES,
             help="decode side, when pulling the KV fails: recompute the prompt (default) or fail the request",
         ),
-        group.add_argument(
-            "--draft-model",
-            default=None,
-            help="speculative decoding: a draft model with the same vocabulary ('tiny' or a directory); "
-            "decode and colocated workers use it, a prefill worker ignores it "
-            "(decode workers recompute the draft's KV)",
-        ),
-        group.add_argument(
-            "--num-speculative-tokens", type=int, default=0, help="draft tokens proposed per step (default: 0, off)"
-        ),
+        *_add_speculative_arguments(parser),
         group.add_argument(
             "--prompt-lane",
             action=argparse.BooleanOptionalAction,
@@ -120,6 +114,55 @@ def add_engine_arguments(
     ]
 
 
+def _add_speculative_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Speculative decoding's flags, in a help section of their own."""
+    group = parser.add_argument_group(
+        "speculative decoding",
+        "a proposer suggests up to K tokens a step and the target verifies them in one forward: greedy output "
+        "stays plain greedy's, sampling keeps the target's distribution. Off by default. Decode and colocated "
+        "workers speculate; a prefill worker ignores these flags (it samples one token)",
+    )
+    return [
+        group.add_argument(
+            "--speculative-method",
+            default=None,
+            choices=SPECULATIVE_METHODS,
+            help="ngram: prompt lookup, no model: propose what followed the latest earlier occurrence of the "
+            "request's last tokens (pays off on repetitive text: quoting, editing, extraction); "
+            "draft: a draft model proposes (default: off; draft when --draft-model is given)",
+        ),
+        group.add_argument(
+            "--draft-model",
+            default=None,
+            metavar="MODEL",
+            help="the draft model, with the target's vocabulary ('tiny' or a directory); alone, it means "
+            "--speculative-method draft; decode workers recompute its KV after a pull (default: none)",
+        ),
+        group.add_argument(
+            "--num-speculative-tokens",
+            type=int,
+            default=0,
+            metavar="K",
+            help="tokens proposed per step: > 0 with a method, 0 without one (default: 0)",
+        ),
+        group.add_argument(
+            "--prompt-lookup-max",
+            type=int,
+            default=DEFAULT_PROMPT_LOOKUP_MAX,
+            metavar="N",
+            help=f"ngram: the longest run of last tokens looked up (default: {DEFAULT_PROMPT_LOOKUP_MAX})",
+        ),
+        group.add_argument(
+            "--prompt-lookup-min",
+            type=int,
+            default=DEFAULT_PROMPT_LOOKUP_MIN,
+            metavar="N",
+            help="ngram: the shortest run of last tokens looked up; shorter ones match too often by chance "
+            f"(default: {DEFAULT_PROMPT_LOOKUP_MIN})",
+        ),
+    ]
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The `EngineConfig` the engine flags describe; raises ValueError naming a bad field."""
     return EngineConfig(
@@ -135,8 +178,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         seed=args.seed,
         kv_load_failure_policy=args.kv_load_failure_policy,
+        speculative_method=args.speculative_method,
         draft_model=args.draft_model,
         num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_max=args.prompt_lookup_max,
+        prompt_lookup_min=args.prompt_lookup_min,
         enable_prefix_caching=args.enable_prefix_caching,
         prompt_lane=args.prompt_lane,
     )

@@ -1,9 +1,9 @@
 """Runs one scheduled step: builds the flat batch, runs the target model inside the
 connector lifecycle, samples (or verifies draft tokens), and runs the draft pass.
 
-With a draft model the target forward runs with `defer_finalize=True`: the draft pass
-runs while the KV save is still in flight, then `finalize()` waits for the save. The
-connector output is handed back only after that.
+With a proposer (a draft model, or prompt lookup) the target forward runs with
+`defer_finalize=True`: the draft pass runs while the KV save is still in flight, then
+`finalize()` waits for the save. The connector output is handed back only after that.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from kvservice.core.outputs import KVConnectorOutput, ScheduledRequest, Schedule
 from kvservice.model.cpu_kernels import load_cpu_kernels
 from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.model.model import CausalLM, Pause
-from kvservice.worker.draft_proposer import DraftProposer
 from kvservice.worker.grammar_masks import GrammarMasks
 from kvservice.worker.input_batch import BatchItem, InputBatch, build_batch
 from kvservice.worker.logprobs import token_logprobs
+from kvservice.worker.proposer import Proposer
 from kvservice.worker.rejection_sampler import verify_draft_tokens
 from kvservice.worker.sampler import Sampler
 
@@ -54,7 +54,7 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         connector: KVConnectorBase | None = None,
-        drafter: DraftProposer | None = None,
+        drafter: Proposer | None = None,
         grammar_masks: GrammarMasks | None = None,
         pause: Pause | None = None,
     ) -> None:
@@ -107,7 +107,7 @@ class ModelRunner:
         )
 
     def draft_pass(self, scheduled: list[ScheduledRequest], sampled: dict[str, list[int]]) -> None:
-        """The draft model's proposals for the next step, while the target's KV save is in flight."""
+        """The proposer's tokens for the next step, while the target's KV save is in flight."""
         assert self.drafter is not None
         self.drafter.propose(scheduled, sampled, self.sampler)
 
