@@ -337,6 +337,16 @@ class EngineCollector(Collector):
             "Speculative decoding: draft tokens accepted",
             value=spec.num_accepted_tokens,
         )
+        draft_prompt = CounterMetricFamily(
+            "kvservice_spec_draft_prompt_tokens",
+            "Speculative decoding: prompt tokens of the draft model, by how their draft KV came about "
+            "(computed: the draft ran over them here; received: with a pull; recomputed: a pull lacked it)",
+            labels=["source"],
+        )
+        draft_prompt.add_metric(["computed"], spec.num_draft_prompt_tokens_computed)
+        draft_prompt.add_metric(["received"], spec.num_draft_prompt_tokens_received)
+        draft_prompt.add_metric(["recomputed"], spec.num_draft_prompt_tokens_recomputed)
+        yield draft_prompt
         yield GaugeMetricFamily(
             "kvservice_kv_staging_bytes",
             "Prefill: bytes of the KV staging pool in use",

@@ -36,6 +36,9 @@ def engine_stats(engine: LLMEngine, role: str) -> pb.StatsResponse:
     stats.spec_decode.num_verify_steps = spec.num_verify_steps
     stats.spec_decode.acceptance_rate = spec.acceptance_rate
     stats.spec_decode.mean_accepted_length = spec.mean_accepted_length
+    stats.spec_decode.num_draft_prompt_tokens_computed = spec.num_draft_prompt_tokens_computed
+    stats.spec_decode.num_draft_prompt_tokens_received = spec.num_draft_prompt_tokens_received
+    stats.spec_decode.num_draft_prompt_tokens_recomputed = spec.num_draft_prompt_tokens_recomputed
     connector = engine.connector.make_stats() if engine.connector is not None else None
     if connector is not None:
         if connector.receiving is not None:

@@ -18,8 +18,8 @@ import torch
 
 from kvservice.config import EngineConfig
 from kvservice.engine.async_engine import AsyncLLMEngine
-from kvservice.loading.model_files import load_model_config
-from kvservice.loading.model_loader import ModelLoadError, resolve_dtype
+from kvservice.engine.engine_builder import kv_transfer_layout
+from kvservice.loading.model_loader import ModelLoadError
 from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.runtime import engine_args
 from kvservice.runtime.event_loop import run_event_loop
@@ -135,10 +135,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     config = engine_args.engine_config(args)
     if args.role != "both":  # the lane is a colocated worker's own prefill
         config = dataclasses.replace(config, prompt_lane=False)
-    if args.role == "prefill":
-        # A prefill worker samples only the first token, so it verifies nothing; and the draft's
-        # KV never travels: it would compute it for nobody.
-        return dataclasses.replace(config, speculative_method=None, draft_model=None, num_speculative_tokens=0)
+    if args.role == "prefill" and config.speculative_method == "ngram":
+        # A prefill worker samples only the first token, so it verifies nothing; prompt lookup
+        # has nothing to hand on. A draft model stays: its prompt KV, computed while the
+        # target's save is in flight, travels to the decode worker with the target's.
+        return dataclasses.replace(config, speculative_method=None, num_speculative_tokens=0)
     return config
 
 
@@ -148,8 +149,7 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     try:
         config = engine_config(args)
-        model_config = load_model_config(args.model)
-        layout = KVCacheLayout.for_model(model_config, config.block_size, resolve_dtype(config.dtype, model_config))
+        layout = kv_transfer_layout(args.model, config)
         if args.max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
         if args.http_port is not None and args.role != "both":

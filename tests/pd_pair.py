@@ -27,7 +27,7 @@ from kvservice.connector.transfer_registry import StagedTransfer, TransferRegist
 from kvservice.core.kv_cache_manager import cdiv
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine, RequestOutput
-from kvservice.engine.engine_builder import build_engine
+from kvservice.engine.engine_builder import build_engine, kv_transfer_layout
 from kvservice.engine.llm import LLM
 from kvservice.loading.model_files import TINY_CONFIG
 from kvservice.model.kv_cache import KVCacheLayout
@@ -41,7 +41,6 @@ PREFILL_CONFIG = EngineConfig(
 )
 DECODE_CONFIG = EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN)
 LAYOUT = KVCacheLayout.for_model(TINY_CONFIG, BLOCK_SIZE, torch.float32)
-STAGING_BYTES = 48 * LAYOUT.bytes_per_block
 MAX_TOKENS = 6
 DECODE_PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # What a prefill server runs: the client's params, one token.
@@ -128,31 +127,46 @@ class Pair:
         assert self.registry.num_transfers == 0
 
 
+def with_draft(config: EngineConfig, draft_model: str | None) -> EngineConfig:
+    """`config` with a speculative draft model (3 tokens a step), or as it is for None."""
+    if draft_model is None:
+        return config
+    return dataclasses.replace(config, draft_model=draft_model, num_speculative_tokens=3)
+
+
 @contextlib.asynccontextmanager
 async def pd_pair(
     kv_load_failure_policy: str = "recompute",
     registration_timeout: float = REGISTRATION_TIMEOUT,
     use_shared_memory: bool = False,
+    prefill_draft: str | None = None,
+    decode_draft: str | None = None,
+    service: type[KVTransferService] = KVTransferService,
 ) -> AsyncIterator[Pair]:
     """A prefill and a decode engine over a real PullKV server; `use_shared_memory`: the
-    decode side offers the same-host segment (--kv-transfer-shm)."""
+    decode side offers the same-host segment (--kv-transfer-shm); `prefill_draft`,
+    `decode_draft`: each side's speculative draft model (its KV travels where they match);
+    `service`: the PullKV service the prefill side runs (a test's faulty one)."""
     loop = asyncio.get_running_loop()
-    registry = ObservedRegistry(StagingPool(STAGING_BYTES), LAYOUT)
+    prefill_config = with_draft(PREFILL_CONFIG, prefill_draft)
+    decode_config = with_draft(
+        dataclasses.replace(DECODE_CONFIG, kv_load_failure_policy=kv_load_failure_policy), decode_draft
+    )
+    prefill_layout = kv_transfer_layout("tiny", prefill_config)
+    registry = ObservedRegistry(StagingPool(48 * prefill_layout.bytes_per_block), prefill_layout)
     # Two blocks per chunk: multi-block prompts stream as several chunks per layer.
     prefill_connector = PrefillKVConnector(registry, chunk_bytes=2 * LAYOUT.bytes_per_block_per_layer)
     load_done = asyncio.Event()
     decode_connector = DecodeKVConnector(
-        LAYOUT,
+        kv_transfer_layout("tiny", decode_config),
         transfer_timeout=WAIT,
         on_load_done=lambda: loop.call_soon_threadsafe(load_done.set),
         use_shared_memory=use_shared_memory,
     )
-    prefill = build_engine("tiny", PREFILL_CONFIG, prefill_connector)
-    decode = build_engine(
-        "tiny", dataclasses.replace(DECODE_CONFIG, kv_load_failure_policy=kv_load_failure_policy), decode_connector
-    )
+    prefill = build_engine("tiny", prefill_config, prefill_connector)
+    decode = build_engine("tiny", decode_config, decode_connector)
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((KVTransferService(registry, registration_timeout).handler(),))
+    server.add_generic_rpc_handlers((service(registry, registration_timeout).handler(),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     pair = Pair(prefill, decode, registry, decode_connector, f"127.0.0.1:{port}", load_done, server)

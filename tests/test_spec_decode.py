@@ -184,8 +184,10 @@ def test_decode_worker_with_a_draft_recomputes_the_draft_kv(models: tuple[pathli
 async def test_disaggregated_speculative_greedy_equals_plain_and_frees_everything(
     models: tuple[pathlib.Path, pathlib.Path],
 ) -> None:
-    """1P1D with a draft model on the workers: the decode worker recomputes the draft's KV
-    after the pull and speculates; the output equals plain greedy; every block is freed."""
+    """1P1D with a draft model on both workers: the prefill worker runs the draft over the prompt
+    while its save is in flight and the draft's KV comes with the pull, so the decode worker
+    computes none of the prompt's draft KV and speculates; the output equals plain greedy;
+    every block is freed."""
     from kvservice.client.client import KVServiceClient
     from kvservice.v1 import kvservice_pb2 as pb
     from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
@@ -210,8 +212,13 @@ async def test_disaggregated_speculative_greedy_equals_plain_and_frees_everythin
                 assert out.token_ids == expected.token_ids
             decode_stats = await client.stats()
         decode = next(w.stats for w in decode_stats.workers if w.stats.role == "decode")
+        prefill = next(w.stats for w in decode_stats.workers if w.stats.role == "prefill")
         assert decode.spec_decode.num_draft_tokens > 0  # the decode worker did speculate
         assert decode.kv_receiving.num_transfers == len(prompts)  # and pulled, not recomputed
+        num_prompt_tokens = sum(map(len, prompts))
+        assert prefill.spec_decode.num_draft_prompt_tokens_computed == num_prompt_tokens
+        assert decode.spec_decode.num_draft_prompt_tokens_received == num_prompt_tokens
+        assert decode.spec_decode.num_draft_prompt_tokens_recomputed == 0
         for address in cluster.prefill_addresses + cluster.decode_addresses:
             import grpc
 

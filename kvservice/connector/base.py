@@ -124,6 +124,14 @@ class KVConnectorBase(abc.ABC):
         block on the network; asynchronous loads run in the background."""
 
     @property
+    def moves_draft_kv(self) -> bool:
+        """Whether this connector moves a speculative draft model's KV too: then the engine
+        registers the draft's caches after the target's (`KVCacheLayout.num_draft_layers`) and
+        the draft's forward calls the per-layer hooks with the layers numbered after the
+        target's. Default: False (the target's caches alone)."""
+        return False
+
+    @property
     def has_layer_hooks(self) -> bool:
         """Whether this connector's class does anything in the two per-layer hooks (a decode
         step without them runs all its layers in one C++ call)."""

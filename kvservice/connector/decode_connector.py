@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ from kvservice.runtime.tls import bearer_metadata
 
 # Channels to distinct prefill workers kept open at once (idle ones past it are closed).
 MAX_CHANNELS = 64
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -106,6 +109,7 @@ class DecodeKVConnector(KVConnectorBase):
         self._done: collections.deque[tuple[LoadSpec, LoadResult]] = collections.deque()
         self._load_error_blocks: set[int] = set()
         self._first_token_ids: dict[str, int] = {}
+        self._draft_kv_request_ids: set[str] = set()  # of those loads, the ones with the draft's KV
         self._transfer_loop = TransferLoop()
         self._channels = ChannelCache(max_channels, channel_credentials, GRPC_OPTIONS)
         self._metadata = bearer_metadata(auth_token)  # prefill workers want the bearer token too
@@ -113,6 +117,10 @@ class DecodeKVConnector(KVConnectorBase):
         # Per prefill worker, while any pull to it is waiting or running (then dropped).
         self._pull_slots: dict[str, asyncio.Semaphore] = {}
         self._num_pulls_per_peer: collections.Counter[str] = collections.Counter()
+
+    @property
+    def moves_draft_kv(self) -> bool:
+        return self.layout.num_draft_layers > 0
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], layout: KVCacheLayout) -> None:
         assert layout == self.layout, f"engine KV layout {layout} differs from the connector's {self.layout}"
@@ -245,7 +253,13 @@ class DecodeKVConnector(KVConnectorBase):
             finished_recving.add(spec.request_id)
             if result.error is None and result.first_token_id is not None:
                 self._first_token_ids[spec.request_id] = result.first_token_id
+                if result.has_draft_kv:
+                    self._draft_kv_request_ids.add(spec.request_id)
             else:
+                # The scheduler's kv_load_failure_policy decides (recompute, or fail the request).
+                logger.warning(
+                    "request %s: loading its KV failed: %s", spec.request_id, result.error or "no first token"
+                )
                 self._load_error_blocks.update(spec.block_ids)
         return set(), finished_recving
 
@@ -256,8 +270,8 @@ class DecodeKVConnector(KVConnectorBase):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMeta | None:
         if not self._first_token_ids:
             return None
-        meta = KVConnectorWorkerMeta(first_token_ids=self._first_token_ids)
-        self._first_token_ids = {}
+        meta = KVConnectorWorkerMeta(self._first_token_ids, self._draft_kv_request_ids)
+        self._first_token_ids, self._draft_kv_request_ids = {}, set()
         return meta
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:

@@ -44,6 +44,7 @@ class LoadResult:
     request_id: str
     first_token_id: int | None
     error: str | None = None
+    has_draft_kv: bool = False  # the speculative draft's layers came too
 
 
 async def pull_kv(
@@ -81,6 +82,8 @@ async def pull_kv(
             dtype=wire.dtype_name(layout.dtype),
             first_block=spec.first_block,
             shared_memory=segment.name if segment is not None else "",
+            num_draft_layers=layout.num_draft_layers,
+            draft_fingerprint=layout.draft_fingerprint,
         )
         call = channel.unary_stream(
             PULL_KV_METHOD, request_serializer=pb.PullKVRequest.SerializeToString, response_deserializer=None
@@ -107,13 +110,15 @@ async def _receive(
     start = time.perf_counter()
     error: str | None = None
     first_token_id: int | None = None
+    has_draft_kv = False
     try:
         async for frame in call:
             if segment is not None:
                 segment.unlink()  # the prefill worker opened it (or gave up) before sending anything
             decoded = wire.decode_frame(frame)
             if decoded.done is not None:
-                first_token_id = _check_done(decoded.done, spec, writer.written, writer.num_chunks)
+                first_token_id = _check_done(decoded.done, spec, writer.written, writer.num_chunks, layout)
+                has_draft_kv = layout.num_draft_layers > 0 and decoded.done.has_draft_kv
                 break
             assert decoded.header is not None
             num_bytes = writer.write(decoded.header, decoded.payload)
@@ -137,7 +142,9 @@ async def _receive(
     if error is not None:
         stats.num_failed_transfers += 1
         return LoadResult(spec.request_id, None, error), False
-    return LoadResult(spec.request_id, first_token_id), writer.num_ring_chunks == writer.num_chunks > 0
+    return LoadResult(spec.request_id, first_token_id, has_draft_kv=has_draft_kv), (
+        writer.num_ring_chunks == writer.num_chunks > 0
+    )
 
 
 class _BlockWriter:
@@ -267,14 +274,21 @@ def _copy_runs(
         i = j
 
 
-def _check_done(done: pb.KVTransferDone, spec: LoadSpec, written: list[bytearray], num_chunks: int) -> int:
+def _check_done(
+    done: pb.KVTransferDone, spec: LoadSpec, written: list[bytearray], num_chunks: int, layout: KVCacheLayout
+) -> int:
+    """The first token, once the done frame agrees with what arrived: every block of every
+    layer (the draft's too, unless the prefill worker says it sent none)."""
     if done.request_id != spec.request_id:
         raise wire.KVChunkError(f"done.request_id: got {done.request_id[:64]!r}, expected {spec.request_id!r}")
     if done.num_tokens != spec.num_tokens:
         raise wire.KVChunkError(f"done.num_tokens: got {done.num_tokens}, expected {spec.num_tokens}")
     if done.num_chunks != num_chunks:
         raise wire.KVChunkError(f"done.num_chunks: got {done.num_chunks}, received {num_chunks}")
-    missing = next((layer for layer, blocks in enumerate(written) if not all(blocks)), None)
+    num_layers = layout.num_layers if done.has_draft_kv else layout.num_target_layers
+    if done.has_draft_kv and not layout.num_draft_layers:
+        raise wire.KVChunkError("done.has_draft_kv: this worker asked for no draft layers")
+    missing = next((layer for layer, blocks in enumerate(written[:num_layers]) if not all(blocks)), None)
     if missing is not None:
         raise wire.KVChunkError(f"done: layer {missing} is missing blocks")
     return done.first_token_id

@@ -62,6 +62,9 @@ class KVTransferService:
         mismatch = _layout_mismatch(request, layout, self._dtype)
         if mismatch:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
+        # The draft's layers go only to a puller that runs the same draft (checked above).
+        sends_draft = bool(request.num_draft_layers and layout.num_draft_layers)
+        num_layers_sent = layout.num_layers if sends_draft else layout.num_target_layers
         try:
             transfer = await self.registry.wait_registered(
                 request.request_id, request.transfer_token, self.registration_timeout
@@ -78,7 +81,7 @@ class KVTransferService:
         sent = _Sent()
         segment = self._open_segment(request, transfer)
         try:
-            async for frame in self._frames(transfer, changed, sent, segment):
+            async for frame in self._frames(transfer, changed, sent, segment, num_layers_sent):
                 yield frame
             is_sent = True
         finally:
@@ -99,6 +102,7 @@ class KVTransferService:
             num_chunks=sent.num_chunks,
             num_bytes=sent.num_bytes,
             num_tokens=transfer.num_tokens,
+            has_draft_kv=sends_draft,
         )
 
     def _open_segment(self, request: pb.PullKVRequest, transfer: StagedTransfer) -> SharedSegment | None:
@@ -117,10 +121,15 @@ class KVTransferService:
             return None
 
     async def _frames(
-        self, transfer: StagedTransfer, changed: asyncio.Event, sent: _Sent, segment: SharedSegment | None
+        self,
+        transfer: StagedTransfer,
+        changed: asyncio.Event,
+        sent: _Sent,
+        segment: SharedSegment | None,
+        num_layers: int,
     ) -> AsyncIterator[bytes]:
-        """The chunks the puller needs (those ending past its first block) as they are
-        published, counted in `sent`; ends once all are sent and the transfer is complete,
+        """The chunks the puller needs (of its `num_layers` layers, those ending past its first
+        block) as they are published, counted in `sent`; ends once all are sent and the transfer is complete,
         or when it failed. With a `segment`, each chunk's bytes go into its ring (when they
         fit) and its frame carries only the header."""
         ring = RingWriter(segment) if segment is not None else None
@@ -130,6 +139,8 @@ class KVTransferService:
             chunks, state = self.registry.snapshot(transfer, num_seen)
             num_seen += len(chunks)
             for chunk in chunks:
+                if chunk.layer >= num_layers:
+                    continue  # a draft's layer, for a puller without that draft
                 outgoing = await self.encode_chunk(transfer, chunk, ring)
                 if outgoing is None:
                     continue
@@ -212,11 +223,22 @@ def _unsent_payload(transfer: StagedTransfer, chunk: StagedChunk, skip: int) -> 
 
 
 def _layout_mismatch(request: pb.PullKVRequest, layout: KVCacheLayout, dtype: str) -> str | None:
-    theirs = (request.num_layers, request.block_size, request.num_kv_heads, request.head_dim, request.dtype)
-    ours = (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, dtype)
+    """Why a pull cannot be served from this layout: the target's geometry differs, or both
+    ends run a speculative draft and not the same one. None if it can."""
+    num_target_layers = request.num_layers - min(request.num_draft_layers, request.num_layers)
+    theirs = (num_target_layers, request.block_size, request.num_kv_heads, request.head_dim, request.dtype)
+    ours = (layout.num_target_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, dtype)
     if theirs != ours:
         return (
             "KV layout mismatch (num_layers, block_size, num_kv_heads, head_dim, dtype): "
             f"puller {theirs}, prefill worker {ours}"
+        )
+    their_draft = (request.num_draft_layers, request.draft_fingerprint)
+    our_draft = (layout.num_draft_layers, layout.draft_fingerprint)
+    if request.num_draft_layers and layout.num_draft_layers and their_draft != our_draft:
+        return (
+            f"speculative draft mismatch: the decode worker runs {request.draft_fingerprint!r} "
+            f"({request.num_draft_layers} layers), this prefill worker {layout.draft_fingerprint!r} "
+            f"({layout.num_draft_layers} layers); give both the same --draft-model"
         )
     return None

@@ -124,6 +124,10 @@ class PrefillKVConnector(KVConnectorBase):
         self._copy_stream: Any = None
         self._copy_thread: concurrent.futures.ThreadPoolExecutor | None = None
 
+    @property
+    def moves_draft_kv(self) -> bool:
+        return self.layout.num_draft_layers > 0
+
     def register_kv_caches(self, kv_caches: list[torch.Tensor], layout: KVCacheLayout) -> None:
         assert layout == self.layout, f"engine KV layout {layout} differs from the staging layout {self.layout}"
         if kv_caches[0].is_cuda:

@@ -151,6 +151,7 @@ def encode_done(
     num_chunks: int,
     num_bytes: int,
     num_tokens: int,
+    has_draft_kv: bool = False,
 ) -> bytes:
     """The last frame of a transfer: a KVChunk carrying KVTransferDone and no payload."""
     done = pb.KVTransferDone(
@@ -159,6 +160,7 @@ def encode_done(
         num_chunks=num_chunks,
         num_bytes=num_bytes,
         num_tokens=num_tokens,
+        has_draft_kv=has_draft_kv,
     ).SerializeToString()
     return b"".join(_field(_TAG_DONE, done))
 

@@ -75,6 +75,8 @@ class KVConnectorWorkerMeta:
 
     # Decode side: the first token the remote prefill sampled, per completed load.
     first_token_ids: dict[str, int] = field(default_factory=dict)
+    # Decode side: the completed loads that brought the speculative draft's prompt KV too.
+    draft_kv_request_ids: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -151,6 +153,11 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
+    # Prompt tokens the draft model ran over on this worker; of a decode worker's pulled prompt
+    # tokens, those whose draft KV came with the pull, and those it had to compute itself.
+    num_draft_prompt_tokens_computed: int = 0
+    num_draft_prompt_tokens_received: int = 0
+    num_draft_prompt_tokens_recomputed: int = 0
 
     @property
     def acceptance_rate(self) -> float:

@@ -5,8 +5,11 @@ and step trace. Construction lives here so `EngineCore` and `LLMEngine` only ste
 from __future__ import annotations
 
 import functools
+import pathlib
 
-from kvservice.config import EngineConfig
+import torch
+
+from kvservice.config import EngineConfig, ModelConfig
 from kvservice.connector.base import KVConnectorBase
 from kvservice.core.block_hash import hash_seed
 from kvservice.core.kv_cache_manager import KVCacheManager
@@ -17,11 +20,11 @@ from kvservice.engine.scheduler import Scheduler
 from kvservice.engine.step_budget import StepTimeBudget
 from kvservice.engine.step_trace import StepTrace
 from kvservice.loading.model_files import load_model_config
-from kvservice.loading.model_loader import LoadedModel, load_model
+from kvservice.loading.model_loader import LoadedModel, load_model, resolve_dtype
 from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
 from kvservice.structured.grammar import GrammarCompiler
 from kvservice.worker.core_lease import CoreLease, LeaseRole
-from kvservice.worker.draft_proposer import DraftProposer
+from kvservice.worker.draft_proposer import DraftLayerHooks, DraftProposer
 from kvservice.worker.grammar_masks import GrammarMasks
 from kvservice.worker.model_runner import ModelRunner
 from kvservice.worker.ngram_proposer import NgramProposer
@@ -60,21 +63,25 @@ def build_engine_core(
     bytes_per_block = layout.bytes_per_block + (0 if draft_layout is None else draft_layout.bytes_per_block)
     num_blocks = config.num_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
     kv_caches = allocate_kv_caches(layout, num_blocks, loaded.device)
+    # Same block ids as the target's cache: one allocation serves both.
+    draft_caches = (
+        [] if draft is None or draft_layout is None else allocate_kv_caches(draft_layout, num_blocks, draft.device)
+    )
     prompt_lane = None
     if config.prompt_lane:
         prompt_lane = PromptLane(
             loaded.model, kv_caches, config.block_size, loaded.device, config.max_num_batched_tokens
         )
+    draft_hooks = None
     if connector is not None:
-        connector.register_kv_caches(kv_caches, layout)
+        transfer_layout = layout if draft is None else _with_draft(layout, config, draft)
+        draft_hooks = _register_kv_caches(connector, transfer_layout, kv_caches + draft_caches)
     kv_hash_seed = hash_seed(model, str(loaded.dtype))
     scheduler = _build_scheduler(config, num_blocks, kv_hash_seed, loaded.config.vocab_size, connector, prompt_lane)
     drafter: Proposer | None = None
-    if draft is not None and draft_layout is not None:
-        # Same block ids as the target's cache: one allocation serves both.
-        draft_caches = allocate_kv_caches(draft_layout, num_blocks, draft.device)
+    if draft is not None:
         drafter = DraftProposer(
-            draft.model, draft_caches, config.block_size, config.num_speculative_tokens, draft.device
+            draft.model, draft_caches, config.block_size, config.num_speculative_tokens, draft.device, draft_hooks
         )
     elif config.speculative_method == "ngram":  # no model, no KV: the cache keeps all its blocks
         drafter = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
@@ -106,6 +113,46 @@ def build_engine_core(
 def build_output_processor(core: EngineCore) -> OutputProcessor:
     """The request bookkeeping in front of `core`: its tokenizer, end tokens and length limit."""
     return OutputProcessor(core.loaded.tokenizer, frozenset(core.model_config.eos_token_ids), core.max_model_len)
+
+
+def kv_transfer_layout(model: str, config: EngineConfig) -> KVCacheLayout:
+    """This worker's KV as a transfer moves it: the target's layers, then a draft model's where
+    its KV has the target's geometry (so the draft's prompt KV travels on the same pull)."""
+    target_config = load_model_config(model)
+    layout = KVCacheLayout.for_model(target_config, config.block_size, resolve_dtype(config.dtype, target_config))
+    if config.draft_model is None:
+        return layout
+    draft_config = load_model_config(config.draft_model)
+    draft = KVCacheLayout.for_model(draft_config, config.block_size, resolve_dtype(config.dtype, draft_config))
+    return layout.with_draft(draft, draft_fingerprint(config.draft_model, draft_config)) or layout
+
+
+def draft_fingerprint(draft_model: str, config: ModelConfig) -> str:
+    """What a prefill and a decode worker compare to agree they run the same draft: its name
+    and shape (layers, widths, KV heads, vocabulary)."""
+    name = pathlib.Path(draft_model).name or draft_model
+    shape = (config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.num_key_value_heads)
+    return f"{name} (layers, hidden, ffn, kv heads = {shape}, vocab {config.vocab_size})"
+
+
+def _with_draft(layout: KVCacheLayout, config: EngineConfig, draft: LoadedModel) -> KVCacheLayout:
+    assert config.draft_model is not None
+    draft_layout = KVCacheLayout.for_model(draft.config, config.block_size, draft.dtype)
+    return layout.with_draft(draft_layout, draft_fingerprint(config.draft_model, draft.config)) or layout
+
+
+def _register_kv_caches(
+    connector: KVConnectorBase, layout: KVCacheLayout, kv_caches: list[torch.Tensor]
+) -> DraftLayerHooks | None:
+    """Hand the connector its caches: the target's, and the draft's after them where the
+    connector moves the draft's KV too. Returns the hooks the draft's forward saves through."""
+    if not connector.moves_draft_kv:
+        connector.register_kv_caches(kv_caches[: layout.num_target_layers], layout.target)
+        return None
+    if layout.num_draft_layers == 0:
+        raise ValueError("the KV connector moves a draft's KV, but this engine's draft KV has another geometry")
+    connector.register_kv_caches(kv_caches, layout)
+    return DraftLayerHooks(connector, layout.num_target_layers)
 
 
 def _load_draft(config: EngineConfig, target: LoadedModel, max_model_len: int) -> LoadedModel | None:
@@ -147,4 +194,5 @@ def _build_scheduler(
         config.max_prefill_tokens_with_decode,
         step_budget,
         prompt_lane,
+        has_draft_model=config.draft_model is not None,
     )

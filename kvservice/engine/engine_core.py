@@ -91,6 +91,7 @@ class EngineCore:
             runner_output.logprobs,
             runner_output.prompt_logprobs,
             runner_output.errors,
+            runner_output.num_draft_prompt_tokens,
         )
         if self.step_trace is not None and scheduler_output.num_scheduled_tokens:
             self.step_trace.steps.append(

@@ -26,6 +26,8 @@ class FinishedLoads:
     # Loads done: the prompt's KV is in place, with the first token the prefill sampled, or None
     # from a source that sends none (the request then computes its last token here).
     resumed: list[tuple[Request, int | None]] = field(default_factory=list)
+    # Of the resumed, those whose load brought the speculative draft's prompt KV too.
+    with_draft_kv: set[str] = field(default_factory=set)
     # Loads that failed (invalid blocks, no or a bad first token): recompute or fail them.
     failed: list[Request] = field(default_factory=list)
 
@@ -62,6 +64,7 @@ class RemoteKVLoads:
         failed_ids = self.kv.requests_holding(output.invalid_block_ids, self.parked)
         meta = output.kv_connector_worker_meta
         first_token_ids = meta.first_token_ids if meta is not None else {}
+        result.with_draft_kv = set(meta.draft_kv_request_ids) if meta is not None else set()
         result.released_ids = [r for r in output.finished_sending | output.finished_recving if r in pending_free]
         for request_id in output.finished_recving:
             request = self.parked.pop(request_id, None)

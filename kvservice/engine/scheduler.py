@@ -78,6 +78,7 @@ class Scheduler:
         max_prefill_tokens_with_decode: int | None = None,
         step_budget: StepBudget | None = None,
         prompt_lane: PromptLaneQueue | None = None,
+        has_draft_model: bool = False,
     ) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
@@ -90,6 +91,7 @@ class Scheduler:
         self.lane_path = PromptLanePath(prompt_lane, self.kv) if prompt_lane is not None else None
         # Slots past the scheduled tokens that the draft pass writes (speculative decoding).
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.has_draft_model = has_draft_model  # whose prompt KV a load may or may not bring
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -104,6 +106,9 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verify_steps = 0
+        self.num_draft_prompt_tokens_computed = 0
+        self.num_draft_prompt_tokens_received = 0
+        self.num_draft_prompt_tokens_recomputed = 0
 
     @property
     def waiting_for_remote_kv(self) -> dict[str, Request]:
@@ -175,7 +180,14 @@ class Scheduler:
             num_blocks_total=self.kv.num_blocks,
             num_blocks_free=self.kv.num_free_blocks,
             prefix_cache=self.kv.prefix_cache,
-            spec_decoding=SpecDecodingStats(self.num_draft_tokens, self.num_accepted_tokens, self.num_verify_steps),
+            spec_decoding=SpecDecodingStats(
+                self.num_draft_tokens,
+                self.num_accepted_tokens,
+                self.num_verify_steps,
+                self.num_draft_prompt_tokens_computed,
+                self.num_draft_prompt_tokens_received,
+                self.num_draft_prompt_tokens_recomputed,
+            ),
         )
 
     # ------------------------------------------------------------ the step
@@ -211,12 +223,15 @@ class Scheduler:
         logprobs: dict[str, list[TokenLogprobs]] | None = None,
         prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
         errors: dict[str, str] | None = None,
+        num_draft_prompt_tokens: int = 0,
     ) -> list[EngineCoreOutput]:
         """Advance the scheduled requests by the step's results: per sampling request, the
         accepted draft tokens (if any) then one token from the target, with their `logprobs`
         where asked for; `prompt_logprobs` continue what each request has gathered; the
-        requests in `errors` fail with their message. Returns the new tokens."""
+        requests in `errors` fail with their message; the draft model ran over
+        `num_draft_prompt_tokens` prompt tokens. Returns the new tokens."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        self.num_draft_prompt_tokens_computed += num_draft_prompt_tokens
         logprobs, prompt_logprobs = logprobs or {}, prompt_logprobs or {}
         errors = errors or {}
         for item in scheduler_output.scheduled:
@@ -378,10 +393,22 @@ class Scheduler:
             self._release(self.pending_free.pop(request_id))
         outputs: list[EngineCoreOutput] = []
         for request, first_token in loads.resumed:
+            if self.has_draft_model:
+                self._count_draft_prompt_kv(request, request.request_id in loads.with_draft_kv)
             outputs.extend(self._resume(request, first_token))
+            if request.request_id in loads.with_draft_kv:
+                request.num_draft_computed_tokens = request.num_prompt_tokens  # it came with the pull
         for request in loads.failed:
             outputs.extend(self._handle_load_failure(request))
         return outputs
+
+    def _count_draft_prompt_kv(self, request: Request, is_received: bool) -> None:
+        """A load's draft KV: its pulled prompt tokens' came with it, or the draft computes the
+        whole prompt here."""
+        if is_received:
+            self.num_draft_prompt_tokens_received += request.num_prompt_tokens - request.num_cached_tokens
+        else:
+            self.num_draft_prompt_tokens_recomputed += request.num_prompt_tokens
 
     def _resume(self, request: Request, first_token: int | None) -> list[EngineCoreOutput]:
         """The prompt's KV is in place: continue from the first token a prefill sampled or,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -12,13 +13,19 @@ from kvservice.core.kv_cache_manager import cdiv
 
 @dataclass(frozen=True, slots=True)
 class KVCacheLayout:
-    """The geometry both ends of a KV transfer must agree on."""
+    """The geometry both ends of a KV transfer must agree on.
+
+    With a speculative draft model whose KV has the target's geometry, the last
+    `num_draft_layers` of `num_layers` are the draft's (`with_draft`): its KV travels on the
+    same pull, and both ends must run the same draft (`draft_fingerprint`)."""
 
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    num_draft_layers: int = 0
+    draft_fingerprint: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
@@ -27,6 +34,38 @@ class KVCacheLayout:
                 raise ValueError(f"KVCacheLayout.{name} must be a positive int, got {value!r}")
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"unsupported KV dtype {self.dtype}")
+        if not 0 <= self.num_draft_layers < self.num_layers:
+            raise ValueError(
+                f"KVCacheLayout.num_draft_layers must be in [0, {self.num_layers}), got {self.num_draft_layers}"
+            )
+        if bool(self.num_draft_layers) != bool(self.draft_fingerprint):
+            raise ValueError("KVCacheLayout: draft layers and a draft fingerprint go together")
+
+    @property
+    def num_target_layers(self) -> int:
+        return self.num_layers - self.num_draft_layers
+
+    @property
+    def target(self) -> KVCacheLayout:
+        """The target model's layers alone."""
+        return dataclasses.replace(self, num_layers=self.num_target_layers, num_draft_layers=0, draft_fingerprint="")
+
+    def with_draft(self, draft: KVCacheLayout, fingerprint: str) -> KVCacheLayout | None:
+        """This (target) layout followed by a draft's layers, if the draft's KV has the same
+        geometry (block size, KV heads, head size, dtype); None if it does not."""
+        if (draft.block_size, draft.num_kv_heads, draft.head_dim, draft.dtype) != (
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+        ):
+            return None
+        return dataclasses.replace(
+            self,
+            num_layers=self.num_target_layers + draft.num_layers,
+            num_draft_layers=draft.num_layers,
+            draft_fingerprint=fingerprint,
+        )
 
     @classmethod
     def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheLayout:

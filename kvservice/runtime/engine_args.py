@@ -120,7 +120,9 @@ def _add_speculative_arguments(parser: argparse.ArgumentParser) -> list[argparse
         "speculative decoding",
         "a proposer suggests up to K tokens a step and the target verifies them in one forward: greedy output "
         "stays plain greedy's, sampling keeps the target's distribution. Off by default. Decode and colocated "
-        "workers speculate; a prefill worker ignores these flags (it samples one token)",
+        "workers speculate. A prefill worker given the same --draft-model runs the draft over each prompt while "
+        "its KV save is in flight, and the draft's KV travels to the decode worker with the target's; it ignores "
+        "ngram (it samples one token)",
     )
     return [
         group.add_argument(

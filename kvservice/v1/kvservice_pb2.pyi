@@ -243,18 +243,24 @@ class PrefixCacheStats(_message.Message):
     def __init__(self, queries: _Optional[int] = ..., hits: _Optional[int] = ...) -> None: ...
 
 class SpecDecodeStats(_message.Message):
-    __slots__ = ("num_draft_tokens", "num_accepted_tokens", "num_verify_steps", "acceptance_rate", "mean_accepted_length")
+    __slots__ = ("num_draft_tokens", "num_accepted_tokens", "num_verify_steps", "acceptance_rate", "mean_accepted_length", "num_draft_prompt_tokens_computed", "num_draft_prompt_tokens_received", "num_draft_prompt_tokens_recomputed")
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_PROMPT_TOKENS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_PROMPT_TOKENS_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
     num_draft_tokens: int
     num_accepted_tokens: int
     num_verify_steps: int
     acceptance_rate: float
     mean_accepted_length: float
-    def __init__(self, num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_verify_steps: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ...) -> None: ...
+    num_draft_prompt_tokens_computed: int
+    num_draft_prompt_tokens_received: int
+    num_draft_prompt_tokens_recomputed: int
+    def __init__(self, num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_verify_steps: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_draft_prompt_tokens_computed: _Optional[int] = ..., num_draft_prompt_tokens_received: _Optional[int] = ..., num_draft_prompt_tokens_recomputed: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("address", "stats", "num_outstanding", "is_healthy", "num_indexed_blocks", "state", "role")
@@ -411,7 +417,7 @@ class KVEventBatch(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., is_snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KVCacheEvent, _Mapping]]] = ..., block_size: _Optional[int] = ..., hash_seed: _Optional[int] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_token", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "first_block", "shared_memory")
+    __slots__ = ("request_id", "transfer_token", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "first_block", "shared_memory", "num_draft_layers", "draft_fingerprint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -421,6 +427,8 @@ class PullKVRequest(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_token: bytes
     num_layers: int
@@ -430,7 +438,9 @@ class PullKVRequest(_message.Message):
     dtype: str
     first_block: int
     shared_memory: str
-    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_block: _Optional[int] = ..., shared_memory: _Optional[str] = ...) -> None: ...
+    num_draft_layers: int
+    draft_fingerprint: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_block: _Optional[int] = ..., shared_memory: _Optional[str] = ..., num_draft_layers: _Optional[int] = ..., draft_fingerprint: _Optional[str] = ...) -> None: ...
 
 class KVChunkHeader(_message.Message):
     __slots__ = ("request_id", "layer", "first_block", "num_blocks", "dtype", "shape", "num_bytes", "crc32", "in_shared_memory", "shared_memory_position")
@@ -457,18 +467,20 @@ class KVChunkHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., in_shared_memory: _Optional[bool] = ..., shared_memory_position: _Optional[int] = ...) -> None: ...
 
 class KVTransferDone(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "num_chunks", "num_bytes", "num_tokens")
+    __slots__ = ("request_id", "first_token_id", "num_chunks", "num_bytes", "num_tokens", "has_draft_kv")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HAS_DRAFT_KV_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     num_chunks: int
     num_bytes: int
     num_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    has_draft_kv: bool
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., num_tokens: _Optional[int] = ..., has_draft_kv: _Optional[bool] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "done", "payload")

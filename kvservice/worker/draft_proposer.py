@@ -5,7 +5,11 @@ target's (a block id names the same token slots in both caches, so allocation an
 freeing serve both). `num_draft_computed_tokens` says how far a request's draft KV is
 valid; each pass first catches the draft up to the request's tokens (a prompt chunk,
 the accepted tokens, or a whole prompt whose target KV was pulled from a prefill
-worker: the draft KV never travels, it is recomputed here), then proposes.
+worker without the draft's KV), then proposes.
+
+With `kv_hooks` (a prefill worker's connector, offset past the target's layers), the catch-up
+forward saves the draft's KV like the target's: the runner calls it while the target's save
+is still in flight (deferred finalize), and the draft's prompt KV travels on the same pull.
 """
 
 from __future__ import annotations
@@ -16,10 +20,29 @@ import torch
 
 from kvservice.core.outputs import ScheduledRequest
 from kvservice.core.request import Request, RequestStatus
+from kvservice.model.attention import AttentionMetadata, LayerKVHooks
 from kvservice.model.model import CausalLM
 from kvservice.worker.input_batch import BatchItem, build_batch
 from kvservice.worker.rejection_sampler import target_probs
 from kvservice.worker.sampler import Sampler
+
+
+@dataclass(frozen=True, slots=True)
+class DraftLayerHooks:
+    """A connector's per-layer hooks for the draft's layers, numbered after the target's."""
+
+    hooks: LayerKVHooks
+    first_layer: int  # the target's layer count
+
+    @property
+    def has_layer_hooks(self) -> bool:
+        return self.hooks.has_layer_hooks
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        self.hooks.wait_for_layer_load(self.first_layer + layer)
+
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata) -> None:
+        self.hooks.save_kv_layer(self.first_layer + layer, kv_layer, attn_metadata)
 
 
 @dataclass(slots=True)
@@ -40,14 +63,23 @@ class DraftProposer:
         block_size: int,
         num_speculative_tokens: int,
         device: torch.device,
+        kv_hooks: LayerKVHooks | None = None,
     ) -> None:
         self.model = model
+        self.kv_hooks = kv_hooks
+        # Prompt tokens the draft ran over (since the last `take_num_prompt_tokens_computed`).
+        self._num_prompt_tokens_computed = 0
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.num_speculative_tokens = num_speculative_tokens
         self.device = device
         # The draft's distributions of the proposed tokens, for rejection sampling.
         self.draft_probs: dict[str, torch.Tensor] = {}
+
+    def take_num_prompt_tokens_computed(self) -> int:
+        """Prompt tokens the draft ran over since the last call."""
+        num, self._num_prompt_tokens_computed = self._num_prompt_tokens_computed, 0
+        return num
 
     def forget(self, request_ids: set[str]) -> None:
         for request_id in request_ids:
@@ -59,7 +91,7 @@ class DraftProposer:
         if not items:
             return
         batch = build_batch(items, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, self.kv_hooks)
         if not proposals:
             return
         last = torch.tensor([batch.ends[p.item_index] - 1 for p in proposals], device=self.device)
@@ -91,6 +123,7 @@ class DraftProposer:
                 continue
             items.append(BatchItem(tokens[start:end], start, s.block_ids))
             request.num_draft_computed_tokens = end
+            self._num_prompt_tokens_computed += max(0, min(end, request.num_prompt_tokens) - start)
             # Never propose past what the request may emit (the target adds one more); a
             # constrained request decodes without drafts (its grammar masks one token a step).
             is_free = new and request.sampling_params.structured_output is None

@@ -43,6 +43,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Requests that cannot go on (their output left their grammar), with the reason.
     errors: dict[str, str] = field(default_factory=dict)
+    # Prompt tokens the draft model ran over this step.
+    num_draft_prompt_tokens: int = 0
 
 
 class ModelRunner:
@@ -94,8 +96,10 @@ class ModelRunner:
                 batch.input_ids, batch.positions, self.kv_caches, batch.attn, self.connector, self.pause
             )
         sampled, logits, errors = self._sample(scheduled, batch, hidden)
+        num_draft_prompt_tokens = 0
         if self.drafter is not None:
             self.draft_pass(scheduled, sampled)
+            num_draft_prompt_tokens = self.drafter.take_num_prompt_tokens_computed()
             if not defer_finalize:
                 self.finalize()
         return ModelRunnerOutput(
@@ -104,6 +108,7 @@ class ModelRunner:
             self._sampled_logprobs(scheduled, sampled, logits),
             self._prompt_logprobs(scheduled, batch, hidden),
             errors,
+            num_draft_prompt_tokens,
         )
 
     def draft_pass(self, scheduled: list[ScheduledRequest], sampled: dict[str, list[int]]) -> None:

@@ -40,6 +40,9 @@ class NgramProposer:
         # Deterministic proposals have one-hot laws: no entry ever (the verifier's draft_probs=None).
         self.draft_probs: dict[str, torch.Tensor] = {}
 
+    def take_num_prompt_tokens_computed(self) -> int:
+        return 0  # no model runs over the prompt
+
     def forget(self, request_ids: set[str]) -> None:
         """Nothing is kept per request: every lookup reads the request's tokens afresh."""
 

@@ -31,6 +31,10 @@ class Proposer(Protocol):
         """Called by the runner before each step with the requests that finished since the last."""
         ...
 
+    def take_num_prompt_tokens_computed(self) -> int:
+        """Prompt tokens a draft model ran over since the last call (its stats; 0 without a model)."""
+        ...
+
     def propose(self, scheduled: list[ScheduledRequest], new_token_ids: dict[str, list[int]], sampler: Sampler) -> None:
         """Called by the runner after the target's step: `new_token_ids` are the tokens each
         sampling request got this step (not yet appended to it). Sets `spec_token_ids` on the
