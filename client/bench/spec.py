@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvservice.client.bench import spec_served
 from kvservice.client.bench.engine import BENCH_MODEL
 from kvservice.client.demo import DEMO_QUESTIONS
 from kvservice.config import DEFAULT_PROMPT_LOOKUP_MAX, DEFAULT_PROMPT_LOOKUP_MIN, EngineConfig
@@ -37,10 +38,8 @@ from kvservice.connector.transfer_registry import TransferRegistry
 from kvservice.core.outputs import ScheduledRequest
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine
-from kvservice.engine.engine_builder import build_engine
+from kvservice.engine.engine_builder import build_engine, kv_transfer_layout
 from kvservice.loading.chat_template import apply_chat_template
-from kvservice.loading.model_files import load_model_config
-from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.worker.model_runner import ModelRunner
 
 LATE_LAYER_SCALE = 0.02
@@ -96,21 +95,23 @@ def save_models(root: pathlib.Path, num_layers: int) -> tuple[pathlib.Path, path
 
 
 class _SwitchableFinalizeRunner(ModelRunner):
-    """The baseline beside the engine's own order: with `is_eager`, the KV save is waited for
-    before the draft pass instead of while it runs."""
+    """The baseline beside the engine's own order: with `is_eager`, the target's KV save is
+    waited for before the draft pass instead of while it runs (the draft's own save, staged by
+    its pass, is waited for by the finalize after it, as in the engine's order)."""
 
     is_eager = False
 
     def draft_pass(self, scheduled: list[ScheduledRequest], sampled: dict[str, list[int]]) -> None:
-        if self.is_eager:
-            self.finalize()
+        if self.is_eager and self.connector is not None:
+            self.connector.wait_for_save()
         super().draft_pass(scheduled, sampled)
 
 
 def prefill_step_seconds(
     target: pathlib.Path, draft: pathlib.Path, prompts: list[list[int]], repeats: int, device: str = "cpu"
 ) -> dict[str, float]:
-    """Median step time of the same prefill, deferred vs eager finalize, alternating."""
+    """Median step time of the same prefill, deferred vs eager finalize, alternating: a served
+    prefill worker's step, the draft's prompt KV staged for the decode worker with the target's."""
     config = EngineConfig(
         dtype="float32",
         num_blocks=2048,
@@ -120,8 +121,8 @@ def prefill_step_seconds(
         num_speculative_tokens=3,
         device=device,
     )
-    model_config = load_model_config(str(target))
-    layout = KVCacheLayout.for_model(model_config, config.block_size, torch.float32)
+    layout = kv_transfer_layout(str(target), config)
+    assert layout.num_draft_layers > 0, "the draft's KV has the target's geometry: it travels"
     # Pinned on CUDA, as the workers' pool is: the save's copies then run on a side stream.
     pool = StagingPool(512 << 20, pin_memory=device.startswith("cuda"))
     registry = TransferRegistry(pool, layout, lease_seconds=600)
@@ -340,6 +341,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefill step repeats per mode; --method ngram: rounds of every workload, TPOT their median (default: 5)",
     )
     parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default: cpu)")
+    parser.add_argument(
+        "--served",
+        action="store_true",
+        help="--method draft: also serve a 1P1D pair twice, the draft on the prefill worker (its KV travels) "
+        "against the decode worker recomputing it, and compare TTFT, time to second token and TPOT",
+    )
+    parser.add_argument(
+        "--num-requests", type=int, default=16, help="--served: requests at concurrency 1 per mode (default: 16)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -372,6 +382,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"decode, batch {args.decode_batch}, K={args.num_speculative_tokens}:")
         for name, (tps, acceptance) in rows.items():
             print(f"  {name:<30} {tps:8.1f} tokens/s  {tps / base:5.2f}x  acceptance {acceptance:.2f}")
+        served = spec_served.run(target, first, args, vocab) if args.served else None
     if args.json:
         print(
             json.dumps(
@@ -381,6 +392,12 @@ def main(args: argparse.Namespace) -> int:
                     "deferred_over_eager": ratio,
                     "decode": {
                         name: {"tokens_per_s": tps, "acceptance_rate": acc} for name, (tps, acc) in rows.items()
+                    },
+                    "served": None
+                    if served is None
+                    else {
+                        name: {key: result.get(key) for _, key in spec_served.ROWS} | result["decode_spec_decode"]
+                        for name, result in served.items()
                     },
                 }
             )
