@@ -446,11 +446,17 @@ def _assert_decode_free(h: Handoff) -> None:
     )
 
 
+@pytest.mark.parametrize("draft", [None, "tiny"], ids=["target", "target+draft"])
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("state", DECODE_STATES)
-async def test_every_decode_state_survives_every_fault(state: str, fault: str, reference: list[list[int]]) -> None:
+async def test_every_decode_state_survives_every_fault(
+    state: str, fault: str, draft: str | None, reference: list[list[int]]
+) -> None:
+    """With a speculative draft on both sides too: its KV travels on the same pull, and no block
+    of either model leaks."""
     expected = EXPECTED[state][fault]
-    async with pd_pair(registration_timeout=DECODE_REGISTRATION_TIMEOUT_S) as pair, relay(pair.address) as cut:
+    pairing = pd_pair(registration_timeout=DECODE_REGISTRATION_TIMEOUT_S, prefill_draft=draft, decode_draft=draft)
+    async with pairing as pair, relay(pair.address) as cut:
         h = Handoff(pair, cut)
         await _enter_decode_state(h, state)
         await _inject_decode_fault(h, fault)

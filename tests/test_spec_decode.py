@@ -181,8 +181,9 @@ def test_decode_worker_with_a_draft_recomputes_the_draft_kv(models: tuple[pathli
     assert engine.num_free_blocks == engine.num_blocks
 
 
+@pytest.mark.parametrize("num_decode", [1, 2], ids=["1P1D", "1P2D"])
 async def test_disaggregated_speculative_greedy_equals_plain_and_frees_everything(
-    models: tuple[pathlib.Path, pathlib.Path],
+    models: tuple[pathlib.Path, pathlib.Path], num_decode: int
 ) -> None:
     """1P1D with a draft model on both workers: the prefill worker runs the draft over the prompt
     while its save is in flight and the draft's KV comes with the pull, so the decode worker
@@ -205,20 +206,20 @@ async def test_disaggregated_speculative_greedy_equals_plain_and_frees_everythin
         "--num-speculative-tokens",
         "3",
     ]
-    async with local_cluster(str(target), num_prefill=1, num_decode=1, worker_args=worker_args) as cluster:
+    async with local_cluster(str(target), num_prefill=1, num_decode=num_decode, worker_args=worker_args) as cluster:
         async with KVServiceClient(cluster.address) as client:
             for prompt, expected in zip(prompts, plain):
                 out = await client.complete(prompt, max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True)
                 assert out.token_ids == expected.token_ids
-            decode_stats = await client.stats()
-        decode = next(w.stats for w in decode_stats.workers if w.stats.role == "decode")
-        prefill = next(w.stats for w in decode_stats.workers if w.stats.role == "prefill")
-        assert decode.spec_decode.num_draft_tokens > 0  # the decode worker did speculate
-        assert decode.kv_receiving.num_transfers == len(prompts)  # and pulled, not recomputed
+            cluster_stats = await client.stats()
+        decodes = [w.stats for w in cluster_stats.workers if w.stats.role == "decode"]
+        prefill = next(w.stats for w in cluster_stats.workers if w.stats.role == "prefill")
+        assert sum(d.spec_decode.num_draft_tokens for d in decodes) > 0  # the decode workers did speculate
+        assert sum(d.kv_receiving.num_transfers for d in decodes) == len(prompts)  # and pulled, not recomputed
         num_prompt_tokens = sum(map(len, prompts))
         assert prefill.spec_decode.num_draft_prompt_tokens_computed == num_prompt_tokens
-        assert decode.spec_decode.num_draft_prompt_tokens_received == num_prompt_tokens
-        assert decode.spec_decode.num_draft_prompt_tokens_recomputed == 0
+        assert sum(d.spec_decode.num_draft_prompt_tokens_received for d in decodes) == num_prompt_tokens
+        assert all(d.spec_decode.num_draft_prompt_tokens_recomputed == 0 for d in decodes)
         for address in cluster.prefill_addresses + cluster.decode_addresses:
             import grpc
 
