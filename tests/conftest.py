@@ -200,9 +200,12 @@ async def wait_until_idle(
 
 
 @contextlib.asynccontextmanager
-async def local_cluster(model: str = "tiny", **kwargs: Any) -> AsyncIterator[LocalCluster]:
-    """A started LocalCluster; stopped at the end, and any child still alive 30 s later is SIGKILLed."""
-    cluster = LocalCluster(model, **kwargs)
+async def local_cluster(
+    model: str = "tiny", cluster_type: type[LocalCluster] = LocalCluster, **kwargs: Any
+) -> AsyncIterator[LocalCluster]:
+    """A started LocalCluster (or `cluster_type`, a test's variant); stopped at the end, and any
+    child still alive 30 s later is SIGKILLed."""
+    cluster = cluster_type(model, **kwargs)
     try:
         await cluster.start()
         yield cluster

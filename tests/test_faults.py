@@ -14,12 +14,12 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 import pytest
-from conftest import kill_all, local_cluster, tiny_greedy, wait_for, wait_until_idle, worker_stats
+from conftest import local_cluster, tiny_greedy, wait_for, wait_until_idle, worker_stats
 from corrupting_prefill import CorruptingPrefillCluster
 from hf_models import random_prompts
 
@@ -66,19 +66,10 @@ def cluster(**kwargs: Any) -> contextlib.AbstractAsyncContextManager[LocalCluste
     return local_cluster("tiny", **_cluster_kwargs(kwargs))
 
 
-@contextlib.asynccontextmanager
-async def corrupting_cluster(corrupt_chunk_every: int, **kwargs: Any) -> AsyncIterator[LocalCluster]:
+def corrupting_cluster(corrupt_chunk_every: int, **kwargs: Any) -> contextlib.AbstractAsyncContextManager[LocalCluster]:
     """`cluster`, but its prefill workers corrupt every `corrupt_chunk_every`th KV chunk they send."""
-    c = CorruptingPrefillCluster("tiny", corrupt_chunk_every=corrupt_chunk_every, **_cluster_kwargs(kwargs))
-    try:
-        await c.start()
-        yield c
-    finally:
-        processes = [child.process for child in c.children]
-        try:
-            await asyncio.wait_for(c.stop(), 30)
-        finally:
-            await kill_all(processes)
+    kwargs = {"corrupt_chunk_every": corrupt_chunk_every, **_cluster_kwargs(kwargs)}
+    return local_cluster("tiny", cluster_type=CorruptingPrefillCluster, **kwargs)
 
 
 def _cluster_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
