@@ -345,16 +345,6 @@ def test_a_disk_full_at_start_turns_the_store_off(
     assert not list((tmp_path / BLOCKS_DIR).iterdir())  # no temporary file left behind
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through chmod 0o500; the other fault tests simulate it")
-def test_a_read_only_directory_turns_the_store_off(tmp_path: pathlib.Path) -> None:
-    tmp_path.chmod(0o500)
-    try:
-        with _store(tmp_path / "kv") as store:
-            _assert_off(store)
-    finally:
-        tmp_path.chmod(0o700)
-
-
 def test_a_disk_full_mid_run_turns_the_store_off_and_keeps_earlier_blocks(
     tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
