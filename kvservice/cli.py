@@ -88,6 +88,10 @@ BENCHMARKS: dict[str, Command] = {
         "kvservice (colocated, 1P1D) vs llama.cpp and vLLM on SmolLM2: "
         "same workload at concurrency 1 and 16, one ratio table",
     ),
+    "proxy-cpu": Command(
+        "kvservice.client.bench.proxy_cpu",
+        "the proxy's CPU time per relayed output token, over gRPC and over the OpenAI HTTP front (1P1D)",
+    ),
     "engine": Command(
         "kvservice.client.bench.engine",
         "prefill and decode tokens/s at batch 1 and 16, side by side with transformers' generate",
