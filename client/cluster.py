@@ -76,6 +76,9 @@ class LocalCluster:
     client_credentials: grpc.ChannelCredentials | None = None
     startup_timeout: float = 120.0
     grace_period: float = 10.0
+    # Each worker's KV offload tier in DIR/<its name> (prefill-0, decode-1, both): stable across launches.
+    kv_offload_dir: str | None = None
+    kv_offload_gib: float = 4.0
     children: list[ChildProcess] = field(default_factory=list)
     address: str = ""  # where clients connect: the proxy, or the colocated worker
     core_lease_path: str | None = None  # the lease file this cluster made (removed once its workers hold it open)
@@ -168,8 +171,16 @@ class LocalCluster:
         """Start a child of this cluster and wait until it is ready (its addresses set)."""
         return await self._ready(await self._spawn(name, cmd, cores))
 
+    def _offload_args(self, name: str) -> list[str]:
+        """A worker's --kv-offload-dir (its own subdirectory) and bound; none for the proxy."""
+        if self.kv_offload_dir is None or name == "proxy":
+            return []
+        directory = os.path.join(self.kv_offload_dir, name)
+        return ["--kv-offload-dir", directory, "--kv-offload-gib", f"{self.kv_offload_gib:g}"]
+
     async def _spawn(self, name: str, cmd: list[str], cores: Sequence[int] | None, stdin: bool = False) -> ChildProcess:
         """Start a child (`stdin`: with a pipe to its stdin); `_ready` waits for its ready line."""
+        cmd = [*cmd, *self._offload_args(name)]
         env = {**os.environ, **WORKER_ENV}
         core_set = set(cores) if cores is not None else None
         parent = os.getpid()

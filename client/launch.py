@@ -61,6 +61,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="let prefill and decode workers compute on the same cores at once (default: they take turns through a "
         "lease file, decode steps first: `kvservice serve --core-lease`)",
     )
+    parser.add_argument(
+        "--kv-offload-dir",
+        metavar="DIR",
+        default=None,
+        help="give every worker a KV offload tier (`kvservice serve --kv-offload-dir`) in a subdirectory of DIR "
+        "named for its role and index (prefill-0, decode-1, both), so launching again with the same DIR finds "
+        "each worker's store again (default: off)",
+    )
+    parser.add_argument(
+        "--kv-offload-gib", type=float, default=4.0, help="each worker's store bound in GiB (default: 4)"
+    )
     add_routing_arguments(parser)  # passed to the proxy
     add_tls_arguments(parser)
     add_worker_peer_names_argument(parser)  # passed to every worker
@@ -121,6 +132,8 @@ async def _launch(args: argparse.Namespace, worker_args: list[str]) -> int:
         client_credentials=tls.channel_credentials(),
         grace_period=args.grace_period,
         core_lease=not args.no_core_lease,
+        kv_offload_dir=args.kv_offload_dir,
+        kv_offload_gib=args.kv_offload_gib,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -281,6 +281,8 @@ class EngineCollector(Collector):
                 "The code this worker computes with: the C++ CPU kernels and their ISA, or PyTorch and why",
                 value={"compute_path": s.compute_path},
             )
+        if s.HasField("kv_offload"):
+            yield from _kv_offload_metrics(s.kv_offload)
         yield GaugeMetricFamily(
             "kvservice_num_requests_running", "Requests in the engine's running batch", value=s.num_running_requests
         )
@@ -409,3 +411,32 @@ async def start_http(
         await runner.cleanup()
         raise
     return runner, sock.getsockname()[1]
+
+
+def _kv_offload_metrics(o: pb.KVOffloadStats) -> Iterator[Metric]:
+    """The KV offload tier's gauges and counters (--kv-offload-dir)."""
+    yield GaugeMetricFamily(
+        "kvservice_kv_offload_enabled",
+        "KV offload tier on (0: off, or turned off by a disk fault)",
+        value=int(o.enabled),
+    )
+    yield GaugeMetricFamily("kvservice_kv_offload_blocks", "Blocks in the KV offload store", value=o.num_blocks)
+    yield GaugeMetricFamily("kvservice_kv_offload_bytes_used", "Bytes the KV offload store holds", value=o.bytes_used)
+    yield GaugeMetricFamily(
+        "kvservice_kv_offload_capacity_bytes", "The KV offload store's bound", value=o.capacity_bytes
+    )
+    counters = (
+        ("blocks_written", "Evicted blocks written to the store", o.num_blocks_written),
+        ("bytes_written", "Bytes written to the store", o.num_bytes_written),
+        ("blocks_read", "Blocks read back into the cache", o.num_blocks_read),
+        ("bytes_read", "Bytes read back", o.num_bytes_read),
+        ("hit_blocks", "Blocks of prefixes that missed the cache and were found in the store", o.num_hit_blocks),
+        (
+            "blocks_dropped",
+            "Blocks that failed validation (corrupt, truncated, foreign) and were recomputed",
+            o.num_blocks_dropped,
+        ),
+        ("blocks_evicted", "Blocks the store evicted to keep within its bound", o.num_blocks_evicted),
+    )
+    for name, documentation, value in counters:
+        yield CounterMetricFamily(f"kvservice_kv_offload_{name}", f"KV offload tier: {documentation}", value=value)

@@ -8,6 +8,7 @@ and their ISA, or PyTorch and why), so a ~7x slower fallback shows in `kvservice
 
 from __future__ import annotations
 
+from kvservice.connector.offload_tier import OffloadTier
 from kvservice.core.outputs import KVTransferCounters
 from kvservice.engine.engine import LLMEngine
 from kvservice.model.cpu_kernels import compute_path
@@ -39,6 +40,13 @@ def engine_stats(engine: LLMEngine, role: str) -> pb.StatsResponse:
     stats.spec_decode.num_draft_prompt_tokens_computed = spec.num_draft_prompt_tokens_computed
     stats.spec_decode.num_draft_prompt_tokens_received = spec.num_draft_prompt_tokens_received
     stats.spec_decode.num_draft_prompt_tokens_recomputed = spec.num_draft_prompt_tokens_recomputed
+    tier = engine.core.kv_tier
+    if isinstance(tier, OffloadTier):
+        kv_offload_to_proto(
+            tier,
+            engine.core.scheduler.tier_loads.num_hit_blocks if engine.core.scheduler.tier_loads else 0,
+            stats.kv_offload,
+        )
     connector = engine.connector.make_stats() if engine.connector is not None else None
     if connector is not None:
         if connector.receiving is not None:
@@ -59,3 +67,18 @@ def transfer_counters_to_proto(counters: KVTransferCounters, into: pb.KVTransfer
     into.num_bytes = counters.num_bytes
     into.num_shared_memory_bytes = counters.num_shared_memory_bytes
     into.total_seconds = counters.total_seconds
+
+
+def kv_offload_to_proto(tier: OffloadTier, num_hit_blocks: int, into: pb.KVOffloadStats) -> None:
+    store = tier.stats
+    into.enabled = store.is_enabled
+    into.num_blocks = store.num_blocks
+    into.bytes_used = store.bytes_used
+    into.capacity_bytes = store.capacity_bytes
+    into.num_blocks_written = store.num_blocks_written
+    into.num_bytes_written = store.num_bytes_written
+    into.num_blocks_read = tier.num_blocks_loaded
+    into.num_bytes_read = store.num_bytes_read
+    into.num_hit_blocks = num_hit_blocks
+    into.num_blocks_dropped = store.num_blocks_dropped
+    into.num_blocks_evicted = store.num_blocks_evicted

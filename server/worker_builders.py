@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import pathlib
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,6 +25,8 @@ from kvservice.config import EngineConfig
 from kvservice.connector.base import KVConnectorBase
 from kvservice.connector.decode_connector import DecodeKVConnector
 from kvservice.connector.kv_transfer_service import KVTransferService
+from kvservice.connector.offload_store import DiskKVStore, OffloadStoreLockedError, StoreFingerprint
+from kvservice.connector.offload_tier import OffloadTier
 from kvservice.connector.prefill_connector import PrefillKVConnector
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import TransferRegistry
@@ -75,7 +79,7 @@ async def build_prefill_worker(
     pool = StagingPool(args.kv_staging_mib << 20, pin_memory=config.device.startswith("cuda"))
     registry = TransferRegistry(pool, layout, args.kv_lease_seconds)
     connector = PrefillKVConnector(registry)
-    engine, async_engine, kv_events = await _load_engine(args, config, connector, LeaseRole.YIELDING)
+    engine, async_engine, kv_events = await _load_engine(args, config, connector, LeaseRole.YIELDING, layout)
     server = GrpcServer(
         [SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], tls.server_credentials(), _interceptors(args)
     )
@@ -94,7 +98,7 @@ async def build_prefill_worker(
 
     return Worker(
         engine, async_engine, server, service, metrics, kv_events,
-        closers=[connector.shutdown, transfer_service.close],
+        closers=_closers(engine, connector.shutdown, transfer_service.close),
         tasks=[asyncio.create_task(_expire_leases(registry))],
         drain=drain,
     )  # fmt: skip
@@ -114,7 +118,7 @@ async def build_decode_worker(
     # Read while the model loads (`--kv-peers -`); a decode worker fails here, before it computes anything.
     reading_kv_peers = asyncio.ensure_future(read_kv_peers(args.kv_peers))
     try:
-        engine, async_engine, kv_events = await _load_engine(args, config, connector, LeaseRole.FIRST)
+        engine, async_engine, kv_events = await _load_engine(args, config, connector, LeaseRole.FIRST, layout)
     except BaseException:
         reading_kv_peers.cancel()
         raise
@@ -135,7 +139,7 @@ async def build_colocated_worker(
     args: argparse.Namespace, config: EngineConfig, layout: KVCacheLayout, tls: TLSFiles
 ) -> Worker:
     """Colocated (`both`): prefill and decode in one engine, serving clients directly; the baseline."""
-    engine, async_engine, kv_events = await _load_engine(args, config, None, LeaseRole.FIRST)
+    engine, async_engine, kv_events = await _load_engine(args, config, None, LeaseRole.FIRST, layout)
     server = GrpcServer(
         [SERVICE_NAMES["generation"], SERVICE_NAMES["worker"]], tls.server_credentials(), _interceptors(args)
     )
@@ -144,7 +148,9 @@ async def build_colocated_worker(
     pb_grpc.add_GenerationServicer_to_server(generation, server.server)
     service = EngineWorkerService(async_engine, "both", kv_events)
     pb_grpc.add_WorkerServicer_to_server(service, server.server)
-    return Worker(engine, async_engine, server, service, metrics, kv_events, generation=generation)
+    return Worker(
+        engine, async_engine, server, service, metrics, kv_events, generation=generation, closers=_closers(engine)
+    )
 
 
 ROLE_BUILDERS = {"prefill": build_prefill_worker, "decode": build_decode_worker, "both": build_colocated_worker}
@@ -163,18 +169,51 @@ async def read_kv_peers(given: list[str] | None) -> frozenset[str] | None:
 
 
 async def _load_engine(
-    args: argparse.Namespace, config: EngineConfig, connector: KVConnectorBase | None, lease_role: LeaseRole
+    args: argparse.Namespace,
+    config: EngineConfig,
+    connector: KVConnectorBase | None,
+    lease_role: LeaseRole,
+    layout: KVCacheLayout,
 ) -> tuple[LLMEngine, AsyncLLMEngine, KVEventPublisher]:
     """The engine (loaded off the event loop), its async driver (not started) and its KV events."""
     core_lease = None
     if args.core_lease is not None and config.device == "cpu":  # what a GPU worker shares is not its cores
         core_lease = CoreLease(args.core_lease, lease_role, config.step_target_s)
-    engine = await asyncio.to_thread(build_engine, args.model, config, connector, core_lease)
+    tier = offload_tier(args, layout.target)
+    try:
+        engine = await asyncio.to_thread(build_engine, args.model, config, connector, core_lease, kv_tier=tier)
+    except BaseException:
+        if tier is not None:
+            tier.close()
+        raise
     kv_events = KVEventPublisher(asyncio.get_running_loop(), config.block_size, engine.core.kv_hash_seed)
     async_engine = AsyncLLMEngine(
         engine, max_queued_requests=args.max_queued_requests, kv_events_sink=kv_events.publish
     )
+    if tier is not None:
+        tier.on_load_done = async_engine.wake  # a read finished: the engine may be idle, waiting for it
     return engine, async_engine, kv_events
+
+
+def offload_tier(args: argparse.Namespace, layout: KVCacheLayout) -> OffloadTier | None:
+    """The KV offload tier --kv-offload-dir asks for, its directory locked; None without the flag."""
+    if args.kv_offload_dir is None:
+        return None
+    fingerprint = StoreFingerprint.from_layout(args.model, layout)
+    label = f"{args.role} worker (pid {os.getpid()})"
+    try:
+        store = DiskKVStore(
+            pathlib.Path(args.kv_offload_dir), int(args.kv_offload_gib * (1 << 30)), fingerprint, label=label
+        )
+    except OffloadStoreLockedError as e:
+        raise StartupError(f"--kv-offload-dir: {e}") from None
+    return OffloadTier(store)
+
+
+def _closers(engine: LLMEngine, *closers: Callable[[], None]) -> list[Callable[[], None]]:
+    """What a worker closes on stop, its offload tier last (its queued writes land first)."""
+    tier = engine.core.kv_tier
+    return [*closers, *([tier.close] if isinstance(tier, OffloadTier) else [])]
 
 
 def _interceptors(args: argparse.Namespace) -> list[grpc.aio.ServerInterceptor]:

@@ -88,6 +88,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument(
+        "--kv-offload-dir",
+        metavar="DIR",
+        default=None,
+        help="keep the full blocks the prefix cache evicts in a bounded store in DIR, checked on every read, "
+        "and read a prefix that misses the cache back from there; a worker restarted with the same DIR "
+        "serves the prefixes it held (one worker per DIR: a second is refused; default: off)",
+    )
+    parser.add_argument(
+        "--kv-offload-gib",
+        type=float,
+        default=4.0,
+        help="the store's bound in GiB: the least recently used blocks go to keep within it (default: 4)",
+    )
+    parser.add_argument(
         "--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM (default: 30)"
     )
     add_log_level_argument(parser)
@@ -150,6 +164,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = engine_config(args)
         layout = kv_transfer_layout(args.model, config)
+        if args.kv_offload_gib <= 0:
+            raise ValueError(f"--kv-offload-gib must be > 0, got {args.kv_offload_gib}")
         if args.max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
         if args.http_port is not None and args.role != "both":

@@ -55,6 +55,7 @@ TORCH_FREE_ENGINE_MODULES = (
     "kvservice.engine.scheduler",
     "kvservice.engine.remote_kv_loads",
     "kvservice.engine.prompt_lane_path",
+    "kvservice.engine.tier_loads",
     "kvservice.engine.prefix_reuse",
     "kvservice.engine.output_processor",
     "kvservice.engine.step_budget",

@@ -51,6 +51,10 @@ class BlockPool:
         # Events are kept only once someone takes them (a worker publishing them).
         self.record_events = False
         self._events: list[KVCacheEvent] = []
+        # Evicted (block hash, block id) pairs, kept for an offload tier to save before the
+        # blocks are written again (`take_evicted`), when one is attached.
+        self.record_evictions = False
+        self._evicted: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -125,6 +129,8 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         assert block.block_hash is not None
         del self._cached[block.block_hash]
+        if self.record_evictions:
+            self._evicted.append((block.block_hash, block.block_id))
         if self.record_events:
             last = self._events[-1] if self._events else None
             if last is not None and last.kind == "removed":
@@ -133,6 +139,12 @@ class BlockPool:
                 self._events.append(KVCacheEvent("removed", (block.block_hash,)))
         block.block_hash = None
         block.parent_hash = 0
+
+    def take_evicted(self) -> list[tuple[int, int]]:
+        """The (block hash, block id) of each block evicted since the last call: their KV is still
+        in place until the step that reuses the blocks runs."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def take_events(self) -> list[KVCacheEvent]:
         """The events since the last call, in the order they happened."""

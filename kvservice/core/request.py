@@ -31,6 +31,8 @@ class RequestStatus(enum.Enum):
     WAITING_FOR_REMOTE_KV = enum.auto()
     # A colocated worker's prompt lane computes its prompt (all tokens but the last).
     WAITING_FOR_PROMPT_LANE = enum.auto()
+    # Its prefix's blocks are being read back from the KV offload tier.
+    WAITING_FOR_KV_TIER = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
+from typing import Protocol
 
 import torch
 
@@ -19,6 +20,7 @@ from kvservice.engine.output_processor import OutputProcessor
 from kvservice.engine.scheduler import Scheduler
 from kvservice.engine.step_budget import StepTimeBudget
 from kvservice.engine.step_trace import StepTrace
+from kvservice.engine.tier_loads import KVTierIO
 from kvservice.loading.model_files import load_model_config
 from kvservice.loading.model_loader import LoadedModel, load_model, resolve_dtype
 from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
@@ -32,19 +34,27 @@ from kvservice.worker.prompt_lane import PromptLane
 from kvservice.worker.proposer import Proposer
 
 
+class KVTier(KVTierIO, Protocol):
+    """An offload tier as the builder wires it: the engine's KV caches registered first."""
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], layout: KVCacheLayout) -> None: ...
+
+
 def build_engine(
     model: str,
     config: EngineConfig,
     connector: KVConnectorBase | None = None,
     core_lease: CoreLease | None = None,
     runner_cls: type[ModelRunner] = ModelRunner,
+    kv_tier: KVTier | None = None,
 ) -> LLMEngine:
     """An engine serving `model` ("tiny", "smollm2", a model directory or a GGUF file).
 
     `connector` moves KV to or from other workers; `core_lease` makes steps take turns on the
     cores with another worker (see `CoreLease`); `runner_cls` is the model runner to build (a
-    benchmark may time a variant)."""
-    core = build_engine_core(model, config, connector, core_lease, runner_cls)
+    benchmark may time a variant); `kv_tier` keeps evicted blocks and gives missed prefixes back
+    (`kvservice.connector.offload_tier`)."""
+    core = build_engine_core(model, config, connector, core_lease, runner_cls, kv_tier)
     return LLMEngine(core, build_output_processor(core))
 
 
@@ -54,6 +64,7 @@ def build_engine_core(
     connector: KVConnectorBase | None = None,
     core_lease: CoreLease | None = None,
     runner_cls: type[ModelRunner] = ModelRunner,
+    kv_tier: KVTier | None = None,
 ) -> EngineCore:
     max_model_len = config.max_model_len or load_model_config(model).max_position_embeddings
     loaded = load_model(model, config.dtype, config.device, max_model_len)
@@ -77,7 +88,12 @@ def build_engine_core(
         transfer_layout = layout if draft is None else _with_draft(layout, config, draft)
         draft_hooks = _register_kv_caches(connector, transfer_layout, kv_caches + draft_caches)
     kv_hash_seed = hash_seed(model, str(loaded.dtype))
-    scheduler = _build_scheduler(config, num_blocks, kv_hash_seed, loaded.config.vocab_size, connector, prompt_lane)
+    scheduler = _build_scheduler(
+        config, num_blocks, kv_hash_seed, loaded.config.vocab_size, connector, prompt_lane, kv_tier
+    )
+    if kv_tier is not None:
+        kv_tier.register_kv_caches(kv_caches, layout)
+        scheduler.kv.block_pool.record_evictions = True
     drafter: Proposer | None = None
     if draft is not None:
         drafter = DraftProposer(
@@ -106,7 +122,7 @@ def build_engine_core(
         step_trace.lease_role = core_lease.role.value
     return EngineCore(
         config, loaded, draft, layout, kv_caches, scheduler, runner, connector, prompt_lane, core_lease,
-        step_trace, grammar_compiler, kv_hash_seed, max_model_len,
+        step_trace, grammar_compiler, kv_hash_seed, max_model_len, kv_tier,
     )  # fmt: skip
 
 
@@ -174,6 +190,7 @@ def _build_scheduler(
     vocab_size: int,
     connector: KVConnectorBase | None,
     prompt_lane: PromptLane | None,
+    kv_tier: KVTierIO | None,
 ) -> Scheduler:
     step_budget = None
     if config.step_target_ms is not None:
@@ -195,4 +212,5 @@ def _build_scheduler(
         step_budget,
         prompt_lane,
         has_draft_model=config.draft_model is not None,
+        kv_tier=kv_tier,
     )

@@ -21,6 +21,7 @@ from kvservice.core.outputs import EngineCoreOutput, SchedulerOutput
 from kvservice.core.request import Request, RequestStatus
 from kvservice.engine.scheduler import Scheduler
 from kvservice.engine.step_trace import StepTrace
+from kvservice.engine.tier_loads import KVTierIO
 from kvservice.loading.model_loader import LoadedModel
 from kvservice.model.kv_cache import KVCacheLayout
 from kvservice.structured.grammar import GrammarCompiler
@@ -47,6 +48,7 @@ class EngineCore:
     grammar_compiler: Callable[[], GrammarCompiler]  # built on first use (~0.2 s)
     kv_hash_seed: int  # the prefix cache's keys fold in the model and its dtype
     max_model_len: int
+    kv_tier: KVTierIO | None = None  # where evicted blocks go, and missed prefixes come from
     # The last step that computed: what a lane slice leaves of the step target.
     last_step_s: float = 0.0
     # The last step computed nothing and preempted nothing: the next one would do the
@@ -64,7 +66,10 @@ class EngineCore:
         """One step: the requests that advanced, finished or failed."""
         step_began = time.monotonic()  # these times: the step budget's, and the trace's (`StepTrace`)
         self._run_prompt_lane()
+        self.scheduler.update_from_tier()
         scheduler_output = self.scheduler.schedule()
+        if self.kv_tier is not None:  # the blocks this schedule evicted, before the forward reuses them
+            self.kv_tier.save(self.scheduler.kv.block_pool.take_evicted())
         scheduled = time.monotonic()
         with self._turn(scheduler_output):
             started = time.monotonic()

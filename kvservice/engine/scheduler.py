@@ -43,6 +43,7 @@ from kvservice.engine.prefix_reuse import reusable_prefix, start_after_prefix, w
 from kvservice.engine.prompt_lane_path import PromptLanePath, PromptLaneQueue
 from kvservice.engine.remote_kv_loads import RemoteKVLoads
 from kvservice.engine.step_budget import FixedStepBudget, StepBudget
+from kvservice.engine.tier_loads import KVTierIO, TierLoads
 
 
 @dataclass(slots=True)
@@ -79,6 +80,7 @@ class Scheduler:
         step_budget: StepBudget | None = None,
         prompt_lane: PromptLaneQueue | None = None,
         has_draft_model: bool = False,
+        kv_tier: KVTierIO | None = None,
     ) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
@@ -89,6 +91,7 @@ class Scheduler:
         self.kv_load_failure_policy = kv_load_failure_policy
         self.remote_loads = RemoteKVLoads(self.kv, connector, vocab_size) if connector is not None else None
         self.lane_path = PromptLanePath(prompt_lane, self.kv) if prompt_lane is not None else None
+        self.tier_loads = TierLoads(self.kv, kv_tier) if kv_tier is not None else None
         # Slots past the scheduled tokens that the draft pass writes (speculative decoding).
         self.num_lookahead_tokens = num_lookahead_tokens
         self.has_draft_model = has_draft_model  # whose prompt KV a load may or may not bring
@@ -114,6 +117,11 @@ class Scheduler:
     def waiting_for_remote_kv(self) -> dict[str, Request]:
         """The requests whose prompt KV a connector is loading."""
         return self.remote_loads.parked if self.remote_loads is not None else {}
+
+    @property
+    def num_loading_from_tier(self) -> int:
+        """The requests whose prefix the KV offload tier is reading back."""
+        return len(self.tier_loads.parked) if self.tier_loads is not None else 0
 
     @property
     def in_prompt_lane(self) -> dict[str, Request]:
@@ -156,12 +164,16 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
             del self.waiting_for_remote_kv[request_id]
+        elif request.status is RequestStatus.WAITING_FOR_KV_TIER:
+            assert self.tier_loads is not None
+            self.tier_loads.cancel(request_id)  # the read's result goes nowhere: the blocks free now
         self._finish(request, status)
         return True
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote_kv) + len(self.in_prompt_lane)
+        num_parked = len(self.waiting_for_remote_kv) + len(self.in_prompt_lane) + self.num_loading_from_tier
+        return len(self.waiting) + len(self.running) + num_parked
 
     def has_work(self) -> bool:
         """Whether a step would do anything: requests to run, or transfers to drive."""
@@ -169,10 +181,11 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """The queues, the cache and the counters: the one way they leave the scheduler.
-        Requests in the prompt lane count as waiting: their prompt is computed here."""
+        Requests in the prompt lane or loading from the offload tier count as waiting: their
+        prompt is computed (or read back) here."""
         return SchedulerStats(
             num_running_requests=len(self.running),
-            num_waiting_requests=len(self.waiting) + len(self.in_prompt_lane),
+            num_waiting_requests=len(self.waiting) + len(self.in_prompt_lane) + self.num_loading_from_tier,
             num_waiting_for_remote_kv=len(self.waiting_for_remote_kv),
             num_finished_requests=self.num_finished,
             num_aborted_requests=self.num_aborted,
@@ -253,6 +266,17 @@ class Scheduler:
             outputs.extend(self._update_from_connector(connector_output))
         return outputs
 
+    def update_from_tier(self) -> None:
+        """Run the requests whose prefix the offload tier has read back, from the end of the
+        blocks that arrived valid."""
+        if self.tier_loads is None:
+            return
+        for request, num_computed in self.tier_loads.take_finished():
+            request.num_computed_tokens = num_computed
+            self.kv.cache_full_blocks(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
     def update_from_prompt_lane(self) -> None:
         """Run the requests whose lane batch has ended from their last prompt token; free the
         blocks of cancelled ones the lane's forward no longer writes."""
@@ -322,13 +346,18 @@ class Scheduler:
     def _has_seq_room(self) -> bool:
         """Whether another request may start: the parked ones join the running later."""
         num_started = len(self.running) + len(self.waiting_for_remote_kv) + len(self.in_prompt_lane)
-        return num_started < self.max_num_seqs
+        return num_started + self.num_loading_from_tier < self.max_num_seqs
 
     def _park_elsewhere(self, request: Request, cached: list[int]) -> bool | None:
-        """Hand a waiting request's prompt to a connector's load, else to the prompt lane.
-        True if one took it, None if one must but its blocks are not free, else False."""
+        """Hand a waiting request's prompt to a connector's load, else its prefix to the offload
+        tier, else its prompt to the prompt lane. True if one took it, None if one must but its
+        blocks are not free, else False."""
         if self.remote_loads is not None:
             parked = self.remote_loads.try_park(request, cached)
+            if parked is not False:
+                return parked
+        if self.tier_loads is not None:
+            parked = self.tier_loads.try_park(request, cached)
             if parked is not False:
                 return parked
         if self.lane_path is not None:

@@ -201,7 +201,7 @@ class KVTransferStats(_message.Message):
     def __init__(self, num_transfers: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., total_seconds: _Optional[float] = ..., staging_bytes_in_use: _Optional[int] = ..., staging_bytes_capacity: _Optional[int] = ..., num_staged_transfers: _Optional[int] = ..., num_shared_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("role", "num_blocks_total", "num_blocks_free", "num_running_requests", "num_waiting_requests", "kv_sending", "kv_receiving", "num_finished_requests", "num_aborted_requests", "num_waiting_for_remote_kv", "workers", "spec_decode", "num_preemptions", "prefix_cache", "compute_path")
+    __slots__ = ("role", "num_blocks_total", "num_blocks_free", "num_running_requests", "num_waiting_requests", "kv_sending", "kv_receiving", "num_finished_requests", "num_aborted_requests", "num_waiting_for_remote_kv", "workers", "spec_decode", "num_preemptions", "prefix_cache", "compute_path", "kv_offload")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class StatsResponse(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_PATH_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_blocks_total: int
     num_blocks_free: int
@@ -232,7 +233,34 @@ class StatsResponse(_message.Message):
     num_preemptions: int
     prefix_cache: PrefixCacheStats
     compute_path: str
-    def __init__(self, role: _Optional[str] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_sending: _Optional[_Union[KVTransferStats, _Mapping]] = ..., kv_receiving: _Optional[_Union[KVTransferStats, _Mapping]] = ..., num_finished_requests: _Optional[int] = ..., num_aborted_requests: _Optional[int] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., spec_decode: _Optional[_Union[SpecDecodeStats, _Mapping]] = ..., num_preemptions: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., compute_path: _Optional[str] = ...) -> None: ...
+    kv_offload: KVOffloadStats
+    def __init__(self, role: _Optional[str] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_sending: _Optional[_Union[KVTransferStats, _Mapping]] = ..., kv_receiving: _Optional[_Union[KVTransferStats, _Mapping]] = ..., num_finished_requests: _Optional[int] = ..., num_aborted_requests: _Optional[int] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., spec_decode: _Optional[_Union[SpecDecodeStats, _Mapping]] = ..., num_preemptions: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., compute_path: _Optional[str] = ..., kv_offload: _Optional[_Union[KVOffloadStats, _Mapping]] = ...) -> None: ...
+
+class KVOffloadStats(_message.Message):
+    __slots__ = ("enabled", "num_blocks", "bytes_used", "capacity_bytes", "num_blocks_written", "num_bytes_written", "num_blocks_read", "num_bytes_read", "num_hit_blocks", "num_blocks_dropped", "num_blocks_evicted")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_READ_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    num_blocks: int
+    bytes_used: int
+    capacity_bytes: int
+    num_blocks_written: int
+    num_bytes_written: int
+    num_blocks_read: int
+    num_bytes_read: int
+    num_hit_blocks: int
+    num_blocks_dropped: int
+    num_blocks_evicted: int
+    def __init__(self, enabled: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_blocks_written: _Optional[int] = ..., num_bytes_written: _Optional[int] = ..., num_blocks_read: _Optional[int] = ..., num_bytes_read: _Optional[int] = ..., num_hit_blocks: _Optional[int] = ..., num_blocks_dropped: _Optional[int] = ..., num_blocks_evicted: _Optional[int] = ...) -> None: ...
 
 class PrefixCacheStats(_message.Message):
     __slots__ = ("queries", "hits")
