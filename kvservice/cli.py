@@ -88,6 +88,10 @@ BENCHMARKS: dict[str, Command] = {
         "kvservice (colocated, 1P1D) vs llama.cpp and vLLM on SmolLM2: "
         "same workload at concurrency 1 and 16, one ratio table",
     ),
+    "offload": Command(
+        "kvservice.client.bench.offload",
+        "multi-turn chats several times the KV cache: the KV offload tier off, on, and on after a restart",
+    ),
     "proxy-cpu": Command(
         "kvservice.client.bench.proxy_cpu",
         "the proxy's CPU time per relayed output token, over gRPC and over the OpenAI HTTP front (1P1D)",
