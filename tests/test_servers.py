@@ -337,8 +337,11 @@ async def test_sigterm_drains_in_flight_request(llama_dir: pathlib.Path) -> None
                 temperature=0,
                 ignore_eos=True,
             ):
-                if decode.returncode is None and num_before == 0:
-                    num_before = len(chunk.token_ids)
+                # The first chunk is the prefill worker's token, which may reach the client before
+                # the decode worker has the request; the second comes from the decode worker.
+                if decode.returncode is None and num_before == 0 and num_after:
+                    num_before = num_after + len(chunk.token_ids)
+                    num_after = 0
                     decode.send_signal(signal.SIGTERM)
                 else:
                     num_after += len(chunk.token_ids)
