@@ -42,6 +42,18 @@ def _generate(engine: LLMEngine, prompt: list[int], request_id: str) -> list[int
     return tokens
 
 
+def _fill_store(directory: pathlib.Path) -> None:
+    """Serve every prompt on an engine over a store in `directory`, then close it (its writes
+    land before its lock goes): the store then holds what the small cache evicted."""
+    tier = _tier(directory)
+    engine = build_engine("tiny", CONFIG, kv_tier=tier)
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            _generate(engine, prompt, f"r{i}")
+    finally:
+        tier.close()
+
+
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
     llm = LLM("tiny", block_size=BLOCK_SIZE, num_blocks=64, max_model_len=256, enable_prefix_caching=False)
@@ -69,13 +81,7 @@ def test_evicted_blocks_come_back_from_the_tier(tmp_path: pathlib.Path, referenc
 
 
 def test_a_restarted_engine_serves_what_its_directory_holds(tmp_path: pathlib.Path, reference: list[list[int]]) -> None:
-    first = _tier(tmp_path)
-    engine = build_engine("tiny", CONFIG, kv_tier=first)
-    try:
-        for i, prompt in enumerate(PROMPTS):
-            _generate(engine, prompt, f"r{i}")
-    finally:
-        first.close()  # the writes land before the lock goes
+    _fill_store(tmp_path)
     warm = _tier(tmp_path)
     restarted = build_engine("tiny", CONFIG, kv_tier=warm)
     try:
@@ -88,13 +94,7 @@ def test_a_restarted_engine_serves_what_its_directory_holds(tmp_path: pathlib.Pa
 def test_a_corrupt_block_is_dropped_and_recomputed(
     tmp_path: pathlib.Path, reference: list[list[int]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    first = _tier(tmp_path)
-    engine = build_engine("tiny", CONFIG, kv_tier=first)
-    try:
-        for i, prompt in enumerate(PROMPTS):
-            _generate(engine, prompt, f"r{i}")
-    finally:
-        first.close()
+    _fill_store(tmp_path)
     for path in (tmp_path / BLOCKS_DIR).iterdir():  # flip one payload byte of every stored block
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
