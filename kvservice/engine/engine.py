@@ -16,7 +16,7 @@ from kvservice.core.block_pool import KVCacheEvent
 from kvservice.core.request import RequestStatus, check_request_id
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine_core import EngineCore
-from kvservice.engine.output_processor import OutputProcessor, RequestOutput
+from kvservice.engine.output_processor import OutputProcessor, RequestOutput, sequence_ids_of
 from kvservice.loading.chat_template import Prompt, ResumedPrompt, encode_prompt
 from kvservice.loading.tokenizer import Tokenizer
 from kvservice.structured.grammar import GrammarCompiler
@@ -105,7 +105,7 @@ class LLMEngine:
         num_resumed = len(prompt.token_ids) if isinstance(prompt, ResumedPrompt) else 0
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         check_request_id(request_id)
-        sequence_ids = [request_id, *(f"{request_id}/{i}" for i in range(1, params.n))]
+        sequence_ids = sequence_ids_of(request_id, params.n)
         in_use = self.core.scheduler.requests
         taken = next((r for r in sequence_ids if self.processor.is_tracked(r) or r in in_use), None)
         if taken is not None:

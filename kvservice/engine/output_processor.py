@@ -104,7 +104,7 @@ class OutputProcessor:
             output_text.push(resumed)
             if params.n > 1:
                 raise ValueError("n: a resumed stream continues one sequence, so n must be 1")
-        sequence_ids = [request_id, *(f"{request_id}/{i}" for i in range(1, params.n))]
+        sequence_ids = sequence_ids_of(request_id, params.n)
         requests: list[Request] = []
         for index, sequence_id in enumerate(sequence_ids):
             requests.append(
@@ -194,6 +194,11 @@ class OutputProcessor:
             return False
         del self._sequence_ids[tracked.request_id]
         return True
+
+
+def sequence_ids_of(request_id: str, n: int) -> list[str]:
+    """The ids the n sequences of a request run under: its own, then `request_id/1` ... `/n-1`."""
+    return [request_id, *(f"{request_id}/{i}" for i in range(1, n))]
 
 
 def _sequence_params(params: SamplingParams, index: int) -> SamplingParams:
