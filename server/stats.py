@@ -42,11 +42,7 @@ def engine_stats(engine: LLMEngine, role: str) -> pb.StatsResponse:
     stats.spec_decode.num_draft_prompt_tokens_recomputed = spec.num_draft_prompt_tokens_recomputed
     tier = engine.core.kv_tier
     if isinstance(tier, OffloadTier):
-        kv_offload_to_proto(
-            tier,
-            engine.core.scheduler.tier_loads.num_hit_blocks if engine.core.scheduler.tier_loads else 0,
-            stats.kv_offload,
-        )
+        kv_offload_to_proto(tier, stats.kv_offload)
     connector = engine.connector.make_stats() if engine.connector is not None else None
     if connector is not None:
         if connector.receiving is not None:
@@ -69,7 +65,7 @@ def transfer_counters_to_proto(counters: KVTransferCounters, into: pb.KVTransfer
     into.total_seconds = counters.total_seconds
 
 
-def kv_offload_to_proto(tier: OffloadTier, num_hit_blocks: int, into: pb.KVOffloadStats) -> None:
+def kv_offload_to_proto(tier: OffloadTier, into: pb.KVOffloadStats) -> None:
     store = tier.stats
     into.enabled = store.is_enabled
     into.num_blocks = store.num_blocks
@@ -79,6 +75,6 @@ def kv_offload_to_proto(tier: OffloadTier, num_hit_blocks: int, into: pb.KVOfflo
     into.num_bytes_written = store.num_bytes_written
     into.num_blocks_read = tier.num_blocks_loaded
     into.num_bytes_read = store.num_bytes_read
-    into.num_hit_blocks = num_hit_blocks
+    into.num_hit_blocks = tier.num_hit_blocks
     into.num_blocks_dropped = store.num_blocks_dropped
     into.num_blocks_evicted = store.num_blocks_evicted

@@ -47,6 +47,7 @@ class OffloadTier:
         # Called from the I/O thread when a load completes (the engine's wake-up).
         self.on_load_done: Callable[[], None] | None = None
         self.num_blocks_saved = 0
+        self.num_hit_blocks = 0  # blocks of prefixes the cache missed, found here and asked for
         self.num_blocks_loaded = 0
         self.num_blocks_invalid = 0
 
@@ -74,6 +75,7 @@ class OffloadTier:
     def start_load(self, request_id: str, block_hashes: list[int], block_ids: list[int]) -> None:
         future = self.io.submit_read(block_hashes)
         self._loads[request_id] = _Load(list(block_ids), future)
+        self.num_hit_blocks += len(block_hashes)
         if self.on_load_done is not None:
             future.add_done_callback(lambda _: self.on_load_done() if self.on_load_done is not None else None)
 

@@ -38,7 +38,6 @@ class TierLoads:
         self.kv = kv
         self.tier = tier
         self.parked: dict[str, tuple[Request, int]] = {}
-        self.num_hit_blocks = 0  # blocks found in the tier and asked for
 
     def try_park(self, request: Request, cached: list[int]) -> bool | None:
         """Load the blocks after the request's cached prefix that the tier holds (never its last
@@ -62,7 +61,6 @@ class TierLoads:
         self.tier.start_load(request.request_id, hashes[span], block_ids[span])
         request.status = RequestStatus.WAITING_FOR_KV_TIER
         self.parked[request.request_id] = (request, first)
-        self.num_hit_blocks += num_found
         return True
 
     def cancel(self, request_id: str) -> None:
