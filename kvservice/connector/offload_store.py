@@ -139,6 +139,14 @@ class _Counts:
     num_blocks_evicted: int = 0
     num_blocks_dropped: int = 0
 
+    def count_lookup(self, found: bool) -> bool:
+        """Count one `contains` lookup as a hit or a miss; returns `found`."""
+        if found:
+            self.num_hits += 1
+        else:
+            self.num_misses += 1
+        return found
+
     def snapshot(self, num_blocks: int, bytes_used: int, capacity_bytes: int, is_enabled: bool) -> KVTierStats:
         return KVTierStats(num_blocks, bytes_used, capacity_bytes, **dataclasses.asdict(self), is_enabled=is_enabled)
 
@@ -186,12 +194,7 @@ class HostMemoryKVStore:
 
     def contains(self, block_hash: int) -> bool:
         with self._lock:
-            found = block_hash in self._blocks
-            if found:
-                self._counts.num_hits += 1
-            else:
-                self._counts.num_misses += 1
-            return found
+            return self._counts.count_lookup(block_hash in self._blocks)
 
     def read(self, block_hash: int) -> bytes | None:
         with self._lock:
@@ -355,12 +358,7 @@ class DiskKVStore:
         with self._lock:
             if not self._is_enabled:
                 return False
-            found = block_hash in self._entries
-            if found:
-                self._counts.num_hits += 1
-            else:
-                self._counts.num_misses += 1
-            return found
+            return self._counts.count_lookup(block_hash in self._entries)
 
     def read(self, block_hash: int) -> bytes | None:
         with self._lock:
