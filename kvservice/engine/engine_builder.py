@@ -85,7 +85,9 @@ def build_engine_core(
         )
     draft_hooks = None
     if connector is not None:
-        transfer_layout = layout if draft is None else _with_draft(layout, config, draft)
+        transfer_layout = layout
+        if draft is not None and config.draft_model is not None:
+            transfer_layout = _with_draft(layout, config.draft_model, draft.config, draft.dtype)
         draft_hooks = _register_kv_caches(connector, transfer_layout, kv_caches + draft_caches)
     kv_hash_seed = hash_seed(model, str(loaded.dtype))
     scheduler = _build_scheduler(
@@ -139,8 +141,7 @@ def kv_transfer_layout(model: str, config: EngineConfig) -> KVCacheLayout:
     if config.draft_model is None:
         return layout
     draft_config = load_model_config(config.draft_model)
-    draft = KVCacheLayout.for_model(draft_config, config.block_size, resolve_dtype(config.dtype, draft_config))
-    return layout.with_draft(draft, draft_fingerprint(config.draft_model, draft_config)) or layout
+    return _with_draft(layout, config.draft_model, draft_config, resolve_dtype(config.dtype, draft_config))
 
 
 def draft_fingerprint(draft_model: str, config: ModelConfig) -> str:
@@ -151,10 +152,12 @@ def draft_fingerprint(draft_model: str, config: ModelConfig) -> str:
     return f"{name} (layers, hidden, ffn, kv heads = {shape}, vocab {config.vocab_size})"
 
 
-def _with_draft(layout: KVCacheLayout, config: EngineConfig, draft: LoadedModel) -> KVCacheLayout:
-    assert config.draft_model is not None
-    draft_layout = KVCacheLayout.for_model(draft.config, config.block_size, draft.dtype)
-    return layout.with_draft(draft_layout, draft_fingerprint(config.draft_model, draft.config)) or layout
+def _with_draft(
+    layout: KVCacheLayout, draft_model: str, draft_config: ModelConfig, draft_dtype: torch.dtype
+) -> KVCacheLayout:
+    """The target's `layout` followed by the draft's layers where its KV has the same geometry."""
+    draft = KVCacheLayout.for_model(draft_config, layout.block_size, draft_dtype)
+    return layout.with_draft(draft, draft_fingerprint(draft_model, draft_config)) or layout
 
 
 def _register_kv_caches(
