@@ -8,6 +8,7 @@ reports (resume, recompute or fail), so the two never reach into each other's st
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from kvservice.connector.base import KVConnectorBase
@@ -57,7 +58,7 @@ class RemoteKVLoads:
         self.parked[request.request_id] = request
         return True
 
-    def take_finished(self, output: KVConnectorOutput, pending_free: set[str]) -> FinishedLoads:
+    def take_finished(self, output: KVConnectorOutput, pending_free: Container[str]) -> FinishedLoads:
         """Sort a step's connector report: releases among `pending_free`, loads done, loads failed."""
         self.connector.update_connector_output(output)
         result = FinishedLoads()

@@ -417,7 +417,7 @@ class Scheduler:
 
     def _update_from_connector(self, output: KVConnectorOutput) -> list[EngineCoreOutput]:
         assert self.remote_loads is not None
-        loads = self.remote_loads.take_finished(output, set(self.pending_free))
+        loads = self.remote_loads.take_finished(output, self.pending_free)
         for request_id in loads.released_ids:
             self._release(self.pending_free.pop(request_id))
         outputs: list[EngineCoreOutput] = []
