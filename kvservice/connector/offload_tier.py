@@ -76,8 +76,9 @@ class OffloadTier:
         future = self.io.submit_read(block_hashes)
         self._loads[request_id] = _Load(list(block_ids), future)
         self.num_hit_blocks += len(block_hashes)
-        if self.on_load_done is not None:
-            future.add_done_callback(lambda _: self.on_load_done() if self.on_load_done is not None else None)
+        wake = self.on_load_done
+        if wake is not None:
+            future.add_done_callback(lambda _: wake())
 
     def cancel(self, request_id: str) -> None:
         """Forget a load (its request ended): its result will not be copied anywhere."""
