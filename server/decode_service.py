@@ -30,7 +30,7 @@ from kvservice.engine.engine import RequestOutput
 from kvservice.loading.chat_template import Prompt
 from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
 from kvservice.server.errors import PeerNotAllowed, ShuttingDown, abort_with, message_for, status_for
-from kvservice.server.generation import ResponseConverter, stream_responses
+from kvservice.server.generation import ResponseConverter, merge_chunk, stream_responses
 from kvservice.server.kv_events import KVEventPublisher
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.worker_service import EngineWorkerService
@@ -143,7 +143,7 @@ class DecodeWorkerService(EngineWorkerService):
                 def on_output(out: RequestOutput) -> None:
                     response = convert(out)
                     tracker.on_tokens(len(response.token_ids))
-                    outbox.add(request_id, response=response)
+                    outbox.add_response(request_id, response)
 
                 await self.engine.run(prompt, params, on_output, request_id, kv_params)
         except Exception as e:
@@ -179,10 +179,14 @@ class DecodeWorkerService(EngineWorkerService):
 
 
 class _Outbox:
-    """What a DecodeStream's requests produced since its last message."""
+    """What a DecodeStream's requests produced since its last message. A sequence's chunks
+    that pile up while the stream is behind (the proxy reads slower than the engine steps)
+    become one event: fewer messages, and the proxy relays them in one."""
 
     def __init__(self) -> None:
         self.batch = pb.DecodeStreamBatch()  # events are built in it: one copy of each response
+        # The batch's response of each (request, sequence), which a later chunk extends.
+        self._responses: dict[tuple[str, int], pb.GenerateResponse] = {}
         self.changed = asyncio.Event()
 
     @property
@@ -190,8 +194,18 @@ class _Outbox:
         """Whether anything waits to be sent."""
         return len(self.batch.events) > 0
 
+    def add_response(self, request_id: str, response: pb.GenerateResponse) -> None:
+        """The request's next chunk: a new event, or appended to its sequence's waiting one."""
+        key = (request_id, response.index)
+        waiting = self._responses.get(key)
+        if waiting is not None:
+            merge_chunk(waiting, response)
+        else:
+            self._responses[key] = self.batch.events.add(request_id=request_id, response=response).response
+        self.changed.set()
+
     def add(self, request_id: str, **kind: Any) -> None:
-        """One event: `response=`, `error=` or `done=True`."""
+        """One event: `error=` or `done=True`."""
         self.batch.events.add(request_id=request_id, **kind)
         self.changed.set()
 
@@ -204,4 +218,5 @@ class _Outbox:
 
     def take(self) -> pb.DecodeStreamBatch:
         batch, self.batch = self.batch, pb.DecodeStreamBatch()
+        self._responses = {}
         return batch

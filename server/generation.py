@@ -65,7 +65,7 @@ class CompleteResponses:
         sequence = self.sequences.get(response.index)
         if sequence is None:
             sequence = self.sequences[response.index] = pb.CompleteResponse(index=response.index)
-        merge_into_complete(sequence, response)
+        merge_chunk(sequence, response)
 
     def result(self) -> pb.CompleteResponse:
         """Sequence 0's fields, plus every sequence in `sequences` when there are several."""
@@ -77,7 +77,10 @@ class CompleteResponses:
         return result
 
 
-def merge_into_complete(result: pb.CompleteResponse, response: pb.GenerateResponse) -> None:
+def merge_chunk(result: pb.CompleteResponse | pb.GenerateResponse, response: pb.GenerateResponse) -> None:
+    """Append `response`, a later chunk of the same sequence, to `result`: its tokens, text and
+    logprobs follow, its finish reason (if any) ends it. Gathers the non-streaming form, and
+    coalesces the chunks a stream is behind on into one message (the worker's outbox, the proxy)."""
     result.request_id = response.request_id
     result.token_ids.extend(response.token_ids)
     result.text += response.text

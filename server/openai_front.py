@@ -56,6 +56,7 @@ from kvservice.server.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
     usage,
+    usage_of,
 )
 from kvservice.v1 import kvservice_pb2 as pb
 
@@ -252,18 +253,18 @@ class OpenAIFront:
         )
         await response.prepare(request)
         meta = {**meta, "object": kind.chunk_object_name}
-        totals = CompleteResponses()
+        events = _ChunkEvents(meta)
+        counts = _UsageCounts()
         try:
             for opening in kind.opening_choices():
-                await _send_event(response, {**meta, "choices": [opening]})
+                await response.write(events.of(opening))
             chunk = first
-            while chunk is not None:  # one event per engine step and sequence
-                totals.add(chunk)
-                choice = kind.delta_choice(chunk)
-                await _send_event(response, {**meta, "choices": [choice]})
+            while chunk is not None:  # one event per chunk: an engine step's tokens, or those the stream was behind on
+                counts.add(chunk)
+                await response.write(events.of(kind.delta_choice(chunk)))
                 chunk = await anext(responses, None)
             if include_usage:
-                await _send_event(response, {**meta, "choices": [], "usage": usage(totals.result())})
+                await _send_event(response, {**meta, "choices": [], "usage": counts.usage()})
         except ConnectionError:  # the client went away: closing `responses` cancels the request
             logger.info("%s: the client closed its stream", meta.get("id"))
             return response
@@ -277,6 +278,36 @@ class OpenAIFront:
 
 
 Chunk = pb.GenerateResponse | pb.CompleteResponse
+
+
+class _ChunkEvents:
+    """A stream's chunk events, `data: {<meta>,"choices":[<choice>]}`: the part every chunk
+    shares is encoded once, so each chunk encodes only its own choice."""
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        shared = json.dumps({**meta, "choices": []}, separators=(",", ":"))
+        self._head = b"data: " + shared[: -len("]}")].encode()
+
+    def of(self, choice: dict[str, Any]) -> bytes:
+        return self._head + json.dumps(choice, separators=(",", ":")).encode() + b"]}\n\n"
+
+
+class _UsageCounts:
+    """A stream's token counts for its usage event, counted chunk by chunk."""
+
+    def __init__(self) -> None:
+        self.num_prompt_tokens = 0
+        self.num_completion_tokens = 0
+        self.num_cached_tokens: int | None = None
+
+    def add(self, chunk: pb.GenerateResponse) -> None:
+        self.num_completion_tokens += len(chunk.token_ids)
+        self.num_prompt_tokens = chunk.num_prompt_tokens or self.num_prompt_tokens
+        if self.num_cached_tokens is None and chunk.HasField("num_cached_tokens"):
+            self.num_cached_tokens = chunk.num_cached_tokens
+
+    def usage(self) -> dict[str, Any]:
+        return usage_of(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
 
 
 class _Shape:

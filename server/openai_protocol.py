@@ -282,13 +282,19 @@ def usage(result: pb.CompleteResponse) -> dict[str, Any]:
     """Token counts; `prompt_tokens_details.cached_tokens`: the prompt tokens the worker that
     prefilled found in its prefix cache (not computed for this request)."""
     completion = sum(len(sequence.token_ids) for sequence in (result.sequences or [result]))
+    cached = result.num_cached_tokens if result.HasField("num_cached_tokens") else None
+    return usage_of(result.num_prompt_tokens, completion, cached)
+
+
+def usage_of(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None) -> dict[str, Any]:
+    """The usage object from its counts (a stream counts as it goes, gathering nothing)."""
     body: dict[str, Any] = {
-        "prompt_tokens": result.num_prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": result.num_prompt_tokens + completion,
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
     }
-    if result.HasField("num_cached_tokens"):
-        body["prompt_tokens_details"] = {"cached_tokens": result.num_cached_tokens}
+    if num_cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
     return body
 
 

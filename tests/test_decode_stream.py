@@ -20,7 +20,7 @@ from conftest import serving_worker, tiny_greedy, wait_for
 from kvservice.config import EngineConfig
 from kvservice.engine.async_engine import AsyncLLMEngine
 from kvservice.engine.engine_builder import build_engine
-from kvservice.server.decode_service import DecodeWorkerService
+from kvservice.server.decode_service import DecodeWorkerService, _Outbox
 from kvservice.server.proxy import decode_stream
 from kvservice.server.proxy.decode_stream import DecodeStreams
 from kvservice.v1 import kvservice_pb2 as pb
@@ -298,3 +298,46 @@ async def test_a_request_too_big_to_share_the_stream_gets_a_decode_call_of_its_o
         assert streams.num_streams_opened == 0
         assert await _tokens(streams.open(_request("small", PROMPTS[1], 3), 30.0)) == tiny_greedy([PROMPTS[1]], 3)[0]
         assert streams.num_streams_opened == 1
+
+
+# ---------------------------------------------------------------- chunks a stream is behind on
+
+
+def _chunk(tokens: list[int], text: str, index: int = 0, finish: int = 0) -> pb.GenerateResponse:
+    return pb.GenerateResponse(request_id="r", token_ids=tokens, text=text, index=index, finish_reason=finish)
+
+
+def test_the_workers_outbox_joins_a_sequences_chunks_waiting_in_one_message() -> None:
+    outbox = _Outbox()
+    outbox.add_response("r0", _chunk([1], "a"))
+    outbox.add_response("r1", _chunk([7], "x"))
+    outbox.add_response("r0", _chunk([2], "b"))
+    outbox.add_response("r0", _chunk([3], "c", index=1))  # another sequence: its own event
+    outbox.add_response("r0", _chunk([4], "d", finish=pb.FINISH_REASON_LENGTH))
+    outbox.add("r0", done=True)
+    batch = outbox.take()
+    kinds = [(e.request_id, e.WhichOneof("kind"), e.response.index) for e in batch.events]
+    assert kinds == [("r0", "response", 0), ("r1", "response", 0), ("r0", "response", 1), ("r0", "done", 0)]
+    first = batch.events[0].response
+    assert (list(first.token_ids), first.text, first.finish_reason) == ([1, 2, 4], "abd", pb.FINISH_REASON_LENGTH)
+    # The next message starts afresh: a chunk after it is not appended to one already sent.
+    outbox.add_response("r0", _chunk([5], "e"))
+    assert [list(e.response.token_ids) for e in outbox.take().events] == [[5]]
+
+
+async def test_the_proxy_relays_the_chunks_queued_behind_a_read_in_one_response() -> None:
+    inbox = decode_stream._Inbox()
+    for tokens, text in (([1], "a"), ([2], "b")):
+        inbox.put(_chunk(tokens, text))
+    inbox.put(_chunk([9], "z", index=1))
+    inbox.put(_chunk([3], "c"))
+    inbox.put(decode_stream._DONE)
+    got = [await inbox.get() for _ in range(4)]
+    assert [(list(r.token_ids), r.text, r.index) for r in got[:3]] == [([1, 2], "ab", 0), ([9], "z", 1), ([3], "c", 0)]
+    assert got[3] is decode_stream._DONE
+    # A read waiting on an empty inbox gets the next chunk as soon as it comes.
+    waiting = asyncio.ensure_future(inbox.get())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    inbox.put(_chunk([4], "d"))
+    assert list((await waiting).token_ids) == [4]

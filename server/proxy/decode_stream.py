@@ -20,6 +20,7 @@ handles failures (migration included) the same for both.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from typing import Protocol
 
 import grpc
 
+from kvservice.server.generation import merge_chunk
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
@@ -70,12 +72,42 @@ _DONE, _UNSUPPORTED, _PAST_DEADLINE = _Done(), _Unsupported(), _PastDeadline()
 _Item = pb.GenerateResponse | grpc.aio.AioRpcError | _Done | _Unsupported | _PastDeadline
 
 
+class _Inbox:
+    """One request's items from its stream, in order. A read takes, with the first chunk, the
+    chunks of the same sequence queued right behind it (the client fell behind its worker):
+    one message for all of them, so a busy proxy spends less per token as it falls behind,
+    and never holds back a chunk it could relay now."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[_Item] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: _Item) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> _Item:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
+        if isinstance(item, pb.GenerateResponse):
+            items = self._items
+            while items and isinstance(items[0], pb.GenerateResponse) and items[0].index == item.index:
+                merge_chunk(item, items.popleft())
+        return item
+
+
 class _Stream:
     """One open DecodeStream and the requests on it."""
 
     def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
         self.call = call
-        self.requests: dict[str, asyncio.Queue[_Item]] = {}
+        self.requests: dict[str, _Inbox] = {}
         self.outgoing: asyncio.Queue[pb.DecodeStreamRequest] = asyncio.Queue()
         self.is_ended = False
         self.tasks: list[asyncio.Task[None]] = []
@@ -109,16 +141,15 @@ class DecodeStreams:
 
     # ------------------------------------------------------------ for _MuxedCall
 
-    def _start(self, request: pb.DecodeRequest) -> tuple[_Stream, asyncio.Queue[_Item]]:
+    def _start(self, request: pb.DecodeRequest) -> tuple[_Stream, _Inbox]:
         stream = self._stream
         if stream is None or stream.is_ended:
             stream = self._stream = self._open_stream()
         request_id = request.request.request_id
         assert request_id not in stream.requests, f"request {request_id} is already on the stream"
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
-        stream.requests[request_id] = queue
+        inbox = stream.requests[request_id] = _Inbox()
         stream.outgoing.put_nowait(pb.DecodeStreamRequest(start=request))
-        return stream, queue
+        return stream, inbox
 
     def _cancel(self, stream: _Stream, request_id: str) -> None:
         if stream.requests.pop(request_id, None) is not None and not stream.is_ended:
@@ -181,25 +212,25 @@ class DecodeStreams:
                 task.cancel()
         stream.call.cancel()
         requests, stream.requests = stream.requests, {}
-        for queue in requests.values():
-            queue.put_nowait(ending)
+        for inbox in requests.values():
+            inbox.put(ending)
 
 
 def _deliver(stream: _Stream, event: pb.DecodeStreamEvent) -> None:
     kind = event.WhichOneof("kind")
     if kind == "response":
-        queue = stream.requests.get(event.request_id)
-        if queue is not None:
-            queue.put_nowait(event.response)
+        inbox = stream.requests.get(event.request_id)
+        if inbox is not None:
+            inbox.put(event.response)
         return
-    queue = stream.requests.pop(event.request_id, None)
-    if queue is None:
+    inbox = stream.requests.pop(event.request_id, None)
+    if inbox is None:
         return  # cancelled meanwhile
     if kind == "done":
-        queue.put_nowait(_DONE)
+        inbox.put(_DONE)
     else:
         code = _CODES.get(event.error.code, grpc.StatusCode.UNKNOWN)
-        queue.put_nowait(rpc_error(code, event.error.message))
+        inbox.put(rpc_error(code, event.error.message))
 
 
 class _MuxedCall:
@@ -209,7 +240,7 @@ class _MuxedCall:
         self._streams, self._request = streams, request
         loop = asyncio.get_running_loop()
         self._deadline = loop.time() + timeout if timeout is not None else None
-        self._stream, self._queue = streams._start(request)
+        self._stream, self._inbox = streams._start(request)
         # One timer for the call (a timeout around every read cost ~3 us a token).
         self._timer = loop.call_at(self._deadline, self._expire) if self._deadline is not None else None
         self._fallback: DecodeCall | None = None  # a Decode call, where the worker has no DecodeStream
@@ -224,7 +255,7 @@ class _MuxedCall:
             return await self._fallback_responses.__anext__()
         if self._is_over:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        item = await self._inbox.get()
         if isinstance(item, pb.GenerateResponse):
             return item
         self._end()
@@ -252,7 +283,7 @@ class _MuxedCall:
     def _expire(self) -> None:
         """The deadline: abort the request on the worker; the next read raises DEADLINE_EXCEEDED."""
         self._streams._cancel(self._stream, self._request.request.request_id)
-        self._queue.put_nowait(_PAST_DEADLINE)
+        self._inbox.put(_PAST_DEADLINE)
 
     def _end(self) -> None:
         self._is_over = True
