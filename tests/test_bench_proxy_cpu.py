@@ -22,3 +22,11 @@ def test_a_fronts_cost_is_cpu_microseconds_per_token() -> None:
     cost = ProxyCost("grpc", num_tokens=1000, cpu_s=0.05, wall_s=2.0)
     assert math.isclose(cost.us_per_token, 50.0) and math.isclose(cost.tokens_per_s, 500.0)
     assert math.isnan(ProxyCost("http", 0, 0.0, 1.0).us_per_token)
+
+
+def test_the_grpc_floor_is_a_bare_servers_cpu_per_streamed_message() -> None:
+    from kvservice.client.bench.grpc_message_floor import grpc_us_per_message
+
+    us = grpc_us_per_message(concurrency=8, messages_per_call=256)  # ~0.1 CPU-s: ticks are 10 ms
+    # Real work was measured: more than nothing, less than a millisecond a message.
+    assert 0.0 < us < 1000.0, us
