@@ -18,6 +18,8 @@ from test_connector_lifecycle import RecordingConnector
 from kvservice import LLM, SamplingParams
 from kvservice.config import EngineConfig
 from kvservice.engine.engine_builder import build_engine
+from kvservice.worker import input_batch
+from kvservice.worker.input_batch import BatchItem, decode_group
 from kvservice.worker.ngram_proposer import NgramProposer
 from kvservice.worker.rejection_sampler import verify_draft_tokens
 
@@ -235,12 +237,23 @@ NGRAM = dict(speculative_method="ngram", num_speculative_tokens=3)
 REPETITIVE_PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 4, [100, 200, 300] * 5 + [7], [40, 41, 42, 43] * 6]
 
 
-def test_greedy_ngram_speculation_equals_plain_greedy() -> None:
+def test_greedy_ngram_speculation_equals_plain_greedy(monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = REPETITIVE_PROMPTS + random_prompts([1, 5, 17, 33], seed=3, vocab_size=256)
     plain = LLM("tiny", **ENGINE).generate(prompts, GREEDY)
     llm = LLM("tiny", **NGRAM, **ENGINE)
+    num_padded_steps = 0
+
+    def counting_decode_group(items: list[BatchItem], block_size: int) -> tuple[list[int], int]:
+        nonlocal num_padded_steps
+        group, num_queries = decode_group(items, block_size)
+        num_padded_steps += any(len(items[i].token_ids) < num_queries for i in group)
+        return group, num_queries
+
+    monkeypatch.setattr(input_batch, "decode_group", counting_decode_group)
     spec = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    # Requests drafted different numbers of tokens, and verified them in one padded group.
+    assert num_padded_steps > 0
     scheduler = llm.engine.core.scheduler
     # The counters count lookups as they count a draft's: some proposals accepted, some not.
     assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens

@@ -28,6 +28,7 @@ from kvservice.structured.grammar import GrammarCompiler
 from kvservice.worker.core_lease import CoreLease, LeaseRole
 from kvservice.worker.draft_proposer import DraftLayerHooks, DraftProposer
 from kvservice.worker.grammar_masks import GrammarMasks
+from kvservice.worker.input_batch import MAX_DECODE_GROUP_QUERIES
 from kvservice.worker.model_runner import ModelRunner
 from kvservice.worker.ngram_proposer import NgramProposer
 from kvservice.worker.prompt_lane import PromptLane
@@ -67,7 +68,7 @@ def build_engine_core(
     kv_tier: KVTier | None = None,
 ) -> EngineCore:
     max_model_len = config.max_model_len or load_model_config(model).max_position_embeddings
-    loaded = load_model(model, config.dtype, config.device, max_model_len)
+    loaded = load_model(model, config.dtype, config.device, rotary_positions(max_model_len))
     layout = KVCacheLayout.for_model(loaded.config, config.block_size, loaded.dtype)
     draft = _load_draft(config, loaded, max_model_len)
     draft_layout = None if draft is None else KVCacheLayout.for_model(draft.config, config.block_size, draft.dtype)
@@ -174,11 +175,17 @@ def _register_kv_caches(
     return DraftLayerHooks(connector, layout.num_target_layers)
 
 
+def rotary_positions(max_model_len: int) -> int:
+    """The positions a model's rotary tables cover: past `max_model_len`, the padding queries a
+    decode group may run after a request's last token (`input_batch.decode_group`)."""
+    return max_model_len + MAX_DECODE_GROUP_QUERIES
+
+
 def _load_draft(config: EngineConfig, target: LoadedModel, max_model_len: int) -> LoadedModel | None:
     """The speculative draft model, which must share the target's vocabulary."""
     if config.draft_model is None:
         return None
-    draft = load_model(config.draft_model, config.dtype, config.device, max_model_len)
+    draft = load_model(config.draft_model, config.dtype, config.device, rotary_positions(max_model_len))
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(
             f"draft_model: vocabulary of {draft.config.vocab_size} tokens, the target's has {target.config.vocab_size}"

@@ -15,7 +15,9 @@ from kvservice.core.kv_cache_manager import cdiv
 from kvservice.model.attention import AttentionMetadata, PrefillSpan
 
 # Requests with at most this many new tokens may join the batched decode group.
-_MAX_DECODE_GROUP_QUERIES = 8
+MAX_DECODE_GROUP_QUERIES = 8
+# A group padded to its longest member's query count runs at most this many rows per real token.
+_MAX_PADDED_ROWS_PER_TOKEN = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,14 +40,32 @@ class InputBatch:
         return range(end - count, end)
 
 
+def decode_group(items: list[BatchItem], block_size: int) -> tuple[list[int], int]:
+    """The items that run as the decode group (their indices) and its query count Q.
+
+    Verify steps give requests different query counts (1 + however many tokens were drafted
+    for each). The group takes them all, the shorter ones padded to the longest, when each has
+    room for Q queries in its blocks and padding at most doubles the rows: the step then stays
+    on the one-call decode path, where splitting it would send the whole step down the per-op
+    path. Otherwise the group is the most common small query count, unpadded."""
+    small = [i for i, item in enumerate(items) if len(item.token_ids) <= MAX_DECODE_GROUP_QUERIES]
+    if not small:
+        return [], 0
+    longest = max(len(items[i].token_ids) for i in small)
+    num_tokens = sum(len(items[i].token_ids) for i in small)
+    has_room = all(items[i].start + longest <= len(items[i].block_ids) * block_size for i in small)
+    if has_room and longest * len(small) <= _MAX_PADDED_ROWS_PER_TOKEN * num_tokens:
+        return small, longest
+    group_q = Counter(len(items[i].token_ids) for i in small).most_common(1)[0][0]
+    return [i for i in small if len(items[i].token_ids) == group_q], group_q
+
+
 def build_batch(items: list[BatchItem], block_size: int, device: torch.device) -> InputBatch:
-    """Lay the items out decode group first (the most common small query count), then spans."""
+    """Lay the items out decode group first (`decode_group`), then spans."""
     bs = block_size
-    counts = Counter(len(item.token_ids) for item in items if len(item.token_ids) <= _MAX_DECODE_GROUP_QUERIES)
-    group_q = counts.most_common(1)[0][0] if counts else 0
-    group = [i for i, item in enumerate(items) if len(item.token_ids) == group_q]
-    rest = [i for i, item in enumerate(items) if len(item.token_ids) != group_q]
-    order = group + rest
+    group, group_q = decode_group(items, bs)
+    in_group = set(group)
+    order = group + [i for i in range(len(items)) if i not in in_group]
 
     token_ids: list[int] = []
     positions: list[int] = []
@@ -54,8 +74,12 @@ def build_batch(items: list[BatchItem], block_size: int, device: torch.device) -
     for i in order:
         item = items[i]
         flat_start[i] = len(token_ids)
-        token_ids.extend(item.token_ids)
-        span = range(item.start, item.start + len(item.token_ids))
+        # A group member with fewer than Q tokens runs padding queries after its own (its last
+        # token again): their keys land in its own blocks past its tokens, which nothing reads
+        # before its later tokens overwrite them, and their outputs are never read.
+        num_padding = group_q - len(item.token_ids) if i in in_group else 0
+        token_ids.extend(item.token_ids + item.token_ids[-1:] * num_padding)
+        span = range(item.start, item.start + len(item.token_ids) + num_padding)
         positions.extend(span)
         token_blocks.extend(item.block_ids[p // bs] for p in span)
     pos = torch.tensor(positions, dtype=torch.long)
@@ -76,7 +100,7 @@ def build_batch(items: list[BatchItem], block_size: int, device: torch.device) -
         decode_mask = (torch.arange(max_len)[None, None, :] <= query_pos[:, :, None])[:, None, None]  # [B,1,1,Q,L]
 
     spans: list[PrefillSpan] = []
-    for i in rest:
+    for i in order[len(group) :]:
         item = items[i]
         n, start = len(item.token_ids), item.start
         span = PrefillSpan(flat_start[i], flat_start[i] + n)
