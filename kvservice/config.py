@@ -230,6 +230,9 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
+    # A measured baseline, not a setting to serve with: a prefill worker with a draft waits for the
+    # target's KV save before the draft pass (eager finalize) instead of running it meanwhile.
+    kv_save_before_draft: bool = False
     # Automatic prefix caching: full blocks are kept, keyed by their tokens, and shared.
     enable_prefix_caching: bool = True
     # A colocated worker computes prompts in batches of up to max_num_batched_tokens, in slices of

@@ -158,6 +158,30 @@ def test_wait_for_save_runs_after_the_draft_pass_and_outputs_reach_the_scheduler
     assert engine.num_free_blocks == engine.num_blocks
 
 
+def test_the_eager_baseline_waits_for_the_targets_save_before_the_draft_pass(
+    models: tuple[pathlib.Path, pathlib.Path],
+) -> None:
+    target, draft = models
+    connector = RecordingConnector()
+    config = EngineConfig(draft_model=str(draft), num_speculative_tokens=2, kv_save_before_draft=True, **ENGINE)
+    engine = build_engine(str(target), config, connector)
+    drafter = engine.core.runner.drafter
+    assert drafter is not None
+    original = drafter.propose
+
+    def recorded_propose(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        connector.calls.append(("draft_pass", ()))
+        return original(*args, **kwargs)
+
+    drafter.propose = recorded_propose  # type: ignore[method-assign]
+    engine.add_request([5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=1), "r")
+    engine.step()
+    names = [call[0] for call in connector.calls]
+    # Eager: a wait for the target's save, then the draft pass, then the finalize's wait.
+    first_wait = names.index("wait_for_save")
+    assert first_wait < names.index("draft_pass") < len(names) - 1 - names[::-1].index("wait_for_save")
+
+
 def test_decode_worker_with_a_draft_recomputes_the_draft_kv(models: tuple[pathlib.Path, pathlib.Path]) -> None:
     """In-process stand-in for the disaggregated case: a request whose prompt KV 'arrived'
     (num_computed set as after a pull) makes the draft catch up over the whole prompt."""

@@ -35,12 +35,10 @@ from kvservice.connector.base import TRANSFER_TOKEN
 from kvservice.connector.prefill_connector import PrefillKVConnector
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import TransferRegistry
-from kvservice.core.outputs import ScheduledRequest
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine
 from kvservice.engine.engine_builder import build_engine, kv_transfer_layout
 from kvservice.loading.chat_template import apply_chat_template
-from kvservice.worker.model_runner import ModelRunner
 
 LATE_LAYER_SCALE = 0.02
 # `--method ngram`'s repetitive workload: the model is asked to repeat one of these word for word.
@@ -94,19 +92,6 @@ def save_models(root: pathlib.Path, num_layers: int) -> tuple[pathlib.Path, path
     return target, first, unrelated
 
 
-class _SwitchableFinalizeRunner(ModelRunner):
-    """The baseline beside the engine's own order: with `is_eager`, the target's KV save is
-    waited for before the draft pass instead of while it runs (the draft's own save, staged by
-    its pass, is waited for by the finalize after it, as in the engine's order)."""
-
-    is_eager = False
-
-    def draft_pass(self, scheduled: list[ScheduledRequest], sampled: dict[str, list[int]]) -> None:
-        if self.is_eager and self.connector is not None:
-            self.connector.wait_for_save()
-        super().draft_pass(scheduled, sampled)
-
-
 def prefill_step_seconds(
     target: pathlib.Path, draft: pathlib.Path, prompts: list[list[int]], repeats: int, device: str = "cpu"
 ) -> dict[str, float]:
@@ -127,9 +112,8 @@ def prefill_step_seconds(
     pool = StagingPool(512 << 20, pin_memory=device.startswith("cuda"))
     registry = TransferRegistry(pool, layout, lease_seconds=600)
     connector = PrefillKVConnector(registry)
-    engine = build_engine(str(target), config, connector, runner_cls=_SwitchableFinalizeRunner)
+    engine = build_engine(str(target), config, connector)
     runner = engine.core.runner
-    assert isinstance(runner, _SwitchableFinalizeRunner)
     params = SamplingParams(temperature=0.0, max_tokens=1)
     times: dict[str, list[float]] = {"deferred": [], "eager": []}
     try:
@@ -139,7 +123,7 @@ def prefill_step_seconds(
                     request_id = f"{mode}-{i}-{j}"
                     registry.register(request_id, b"t", len(prompt))
                     engine.add_request(prompt, params, request_id, {TRANSFER_TOKEN: b"t"})
-                runner.is_eager = mode == "eager"
+                runner.kv_save_before_draft = mode == "eager"
                 start = time.perf_counter()
                 engine.step()  # every prompt in one step: the prefill, its save and the draft pass
                 elapsed = time.perf_counter() - start

@@ -1,15 +1,18 @@
 """`kvservice bench spec --served`: where a served 1P1D pair's draft model runs over the prompt.
 
-Two deployments of the same pair, one after the other, the same requests at concurrency 1:
+Three deployments of the same pair, one after the other, the same requests at concurrency 1:
 
 - `draft on prefill` (the default): the prefill worker runs the draft over each prompt while its
-  KV save is in flight, and the draft's prompt KV travels with the target's;
+  KV save is in flight (deferred finalize), and the draft's prompt KV travels with the target's;
+- `draft on prefill, eager`: the same, but the prefill worker waits for the target's KV save
+  before the draft pass (`--kv-save-before-draft`, eager finalize);
 - `recompute on decode`: the prefill worker runs no draft, and the decode worker computes the
   draft's prompt KV after its pull, between the first token and the second.
 
-It reports TTFT, time to second token and TPOT side by side, and each decode worker's draft
-prompt-token counters, which show the two modes did what they say. The prefill step itself
-(deferred against eager finalize) is timed in-process by `bench spec`'s first part.
+It reports TTFT (at concurrency 1 the prefill worker answers when its step, draft pass and save
+included, is done: the two draft-on-prefill modes' TTFTs differ by their steps' times), time to
+second token and TPOT side by side, and each decode worker's draft prompt-token counters, which
+show the modes did what they say. `bench spec`'s first part times the step itself in-process.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from kvservice.client.cluster import ChildProcess, LocalCluster
 from kvservice.v1 import kvservice_pb2 as pb
 from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
-DRAFT_ON_PREFILL, RECOMPUTE_ON_DECODE = "draft on prefill", "recompute on decode"
+DRAFT_ON_PREFILL, EAGER, RECOMPUTE_ON_DECODE = "draft on prefill", "draft on prefill, eager", "recompute on decode"
+MODES = (RECOMPUTE_ON_DECODE, EAGER, DRAFT_ON_PREFILL)
 ROWS = (
     ("mean TTFT (ms)", "mean_ttft_ms"),
     ("mean time to 2nd token (ms)", "mean_ttst_ms"),
@@ -73,6 +77,7 @@ async def served_draft_kv(
     requests = random_requests(args.num_requests, args.prompt_len, args.max_tokens, 0.0, vocab_size, 0)
     deployments = {
         DRAFT_ON_PREFILL: LocalCluster(str(target), 1, 1, worker_args=worker_args),
+        EAGER: LocalCluster(str(target), 1, 1, worker_args=[*worker_args, "--kv-save-before-draft"]),
         RECOMPUTE_ON_DECODE: _DraftlessPrefillCluster(str(target), 1, 1, worker_args=worker_args),
     }
     results: dict[str, dict[str, Any]] = {}
@@ -100,18 +105,23 @@ async def _spec_stats(address: str) -> dict[str, float]:
 
 
 def report(results: dict[str, dict[str, Any]]) -> None:
-    base, new = results[RECOMPUTE_ON_DECODE], results[DRAFT_ON_PREFILL]
-    print(f"served 1P1D, concurrency 1: {'':<12} {RECOMPUTE_ON_DECODE:>20} {DRAFT_ON_PREFILL:>18}   ratio")
+    recompute, eager, deferred = (results[mode] for mode in MODES)
+    header = f"{'recompute':>10} {'eager':>8} {'deferred':>9}   vs eager  vs recompute"
+    print(f"served 1P1D, concurrency 1: {'':<10} {header}")
     for label, key in ROWS:
-        a, b = float(base[key]), float(new[key])
-        print(f"  {label:<38} {a:20.1f} {b:18.1f}   {b / a if a else float('nan'):.2f}x")
-    for name in (RECOMPUTE_ON_DECODE, DRAFT_ON_PREFILL):
+        a, b, c = (float(result[key]) for result in (recompute, eager, deferred))
+        print(f"  {label:<36} {a:10.1f} {b:8.1f} {c:9.1f}   {_ratio(c, b):>8}  {_ratio(c, a):>12}")
+    for name in MODES:
         spec = results[name]["decode_spec_decode"]
         print(
             f"  {name}: decode worker's draft prompt tokens computed {spec['num_draft_prompt_tokens_computed']}, "
             f"received {spec['num_draft_prompt_tokens_received']}, "
             f"recomputed {spec['num_draft_prompt_tokens_recomputed']}; acceptance {spec['acceptance_rate']:.2f}"
         )
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}x" if base else "nan"
 
 
 def run(target: pathlib.Path, draft: pathlib.Path, args: Any, vocab_size: int) -> dict[str, dict[str, Any]]:

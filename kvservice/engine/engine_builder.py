@@ -46,16 +46,14 @@ def build_engine(
     config: EngineConfig,
     connector: KVConnectorBase | None = None,
     core_lease: CoreLease | None = None,
-    runner_cls: type[ModelRunner] = ModelRunner,
     kv_tier: KVTier | None = None,
 ) -> LLMEngine:
     """An engine serving `model` ("tiny", "smollm2", a model directory or a GGUF file).
 
     `connector` moves KV to or from other workers; `core_lease` makes steps take turns on the
-    cores with another worker (see `CoreLease`); `runner_cls` is the model runner to build (a
-    benchmark may time a variant); `kv_tier` keeps evicted blocks and gives missed prefixes back
+    cores with another worker (see `CoreLease`); `kv_tier` keeps evicted blocks and gives missed prefixes back
     (`kvservice.connector.offload_tier`)."""
-    core = build_engine_core(model, config, connector, core_lease, runner_cls, kv_tier)
+    core = build_engine_core(model, config, connector, core_lease, kv_tier)
     return LLMEngine(core, build_output_processor(core))
 
 
@@ -64,7 +62,6 @@ def build_engine_core(
     config: EngineConfig,
     connector: KVConnectorBase | None = None,
     core_lease: CoreLease | None = None,
-    runner_cls: type[ModelRunner] = ModelRunner,
     kv_tier: KVTier | None = None,
 ) -> EngineCore:
     max_model_len = config.max_model_len or load_model_config(model).max_position_embeddings
@@ -108,7 +105,7 @@ def build_engine_core(
     grammar_compiler = functools.cache(
         lambda: GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, eos_token_ids)
     )
-    runner = runner_cls(
+    runner = ModelRunner(
         loaded.model,
         kv_caches,
         layout,
@@ -118,6 +115,7 @@ def build_engine_core(
         drafter,
         GrammarMasks(grammar_compiler),
         core_lease.pause if core_lease is not None and core_lease.role is LeaseRole.YIELDING else None,
+        config.kv_save_before_draft,
     )
     step_trace = StepTrace.from_env()
     if core_lease is not None and step_trace is not None:

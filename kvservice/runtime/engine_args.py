@@ -162,6 +162,13 @@ def _add_speculative_arguments(parser: argparse.ArgumentParser) -> list[argparse
             help="ngram: the shortest run of last tokens looked up; shorter ones match too often by chance "
             f"(default: {DEFAULT_PROMPT_LOOKUP_MIN})",
         ),
+        group.add_argument(
+            "--kv-save-before-draft",
+            action="store_true",
+            help="a prefill worker with a draft waits for the target's KV save before the draft pass, instead of "
+            "running the pass while the save is in flight: a baseline for `kvservice bench spec --served`, "
+            "slower by design (default: off)",
+        ),
     ]
 
 
@@ -185,6 +192,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_max=args.prompt_lookup_max,
         prompt_lookup_min=args.prompt_lookup_min,
+        kv_save_before_draft=args.kv_save_before_draft,
         enable_prefix_caching=args.enable_prefix_caching,
         prompt_lane=args.prompt_lane,
     )

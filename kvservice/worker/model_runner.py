@@ -59,7 +59,10 @@ class ModelRunner:
         drafter: Proposer | None = None,
         grammar_masks: GrammarMasks | None = None,
         pause: Pause | None = None,
+        kv_save_before_draft: bool = False,
     ) -> None:
+        """`kv_save_before_draft`: wait for the target's KV save before the draft pass (eager
+        finalize, a baseline) instead of running the pass while the save is in flight."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = layout.block_size
@@ -69,6 +72,7 @@ class ModelRunner:
         self.drafter = drafter
         self.grammar_masks = grammar_masks
         self.pause = pause  # between the model's matmuls (a prefill worker sharing its cores: CoreLease.pause)
+        self.kv_save_before_draft = kv_save_before_draft
         if device.type == "cpu":
             load_cpu_kernels()  # at start-up, so no request waits for the build
             model.prepare_for_cpu(batch_hint=16)  # the packed layout suits any row count
@@ -114,6 +118,8 @@ class ModelRunner:
     def draft_pass(self, scheduled: list[ScheduledRequest], sampled: dict[str, list[int]]) -> None:
         """The proposer's tokens for the next step, while the target's KV save is in flight."""
         assert self.drafter is not None
+        if self.kv_save_before_draft and self.connector is not None:
+            self.connector.wait_for_save()  # the draft's own save is waited for by the finalize after the pass
         self.drafter.propose(scheduled, sampled, self.sampler)
 
     def finalize(self) -> None:
