@@ -186,17 +186,31 @@ async def test_decode_killed_without_migration_fails_affected_requests_and_frees
         await wait_until_idle([c.prefill_addresses[0], c.decode_addresses[1]])
 
 
-async def test_decode_killed_streams_migrate_and_complete_exactly() -> None:
+@pytest.mark.parametrize(
+    "speculation",
+    [
+        (),
+        # A draft model on every worker: the draft's prompt KV travels, and a migrated stream's
+        # new decode worker computes it (with the target's) over the prompt and the resumed tokens.
+        ("--draft-model", "tiny", "--num-speculative-tokens", "3"),
+        ("--speculative-method", "ngram", "--num-speculative-tokens", "3"),
+    ],
+    ids=["plain", "draft", "ngram"],
+)
+async def test_decode_killed_streams_migrate_and_complete_exactly(speculation: tuple[str, ...]) -> None:
     """Default --migration-limit 1: the proxy resends each lost stream's prompt plus the tokens
     already streamed to the other decode worker; every client gets exactly the undisturbed
-    greedy output, no token twice or missing, no error."""
+    greedy output, no token twice or missing, no error; drafted streams too."""
     expected = tiny_greedy(DECODE_KILL_PROMPTS, DECODE_KILL_MAX_TOKENS)
-    async with cluster(num_prefill=1, num_decode=2, worker_args=(*BASE_WORKER_ARGS, "--kv-lease-seconds", "3")) as c:
+    worker_args = (*BASE_WORKER_ARGS, "--kv-lease-seconds", "3", *speculation)
+    async with cluster(num_prefill=1, num_decode=2, worker_args=worker_args) as c:
         results = await _kill_decode_under_load(c)
         assert results == expected  # no request lost, no token repeated or skipped
         survivor = c.decode_addresses[1]
         # decode-0 is dead: the survivor finished every request, its own and the migrated ones.
-        assert (await worker_stats(survivor)).num_finished_requests == len(DECODE_KILL_PROMPTS)
+        stats = await worker_stats(survivor)
+        assert stats.num_finished_requests == len(DECODE_KILL_PROMPTS)
+        assert (stats.spec_decode.num_verify_steps > 0) == bool(speculation)  # it speculated when told to
         await wait_until_idle([c.prefill_addresses[0], survivor])
 
 
