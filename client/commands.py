@@ -158,9 +158,14 @@ async def _stats(args: argparse.Namespace) -> int:
             f"{entry.stats.compute_path or 'compute path unknown'}, "
             f"blocks free {s.get('num_blocks_free', 0)}/{s.get('num_blocks_total', 0)}, "
             f"prefix cache {_hit_rate(entry.stats.prefix_cache)}, "
-            f"indexed by the proxy {entry.num_indexed_blocks} blocks"
+            f"indexed by the proxy {entry.num_indexed_blocks} blocks{_offloaded(entry)}"
         )
     return 0
+
+
+def _offloaded(entry: pb.WorkerStats) -> str:
+    num_blocks = entry.num_indexed_offload_blocks
+    return f" (+{num_blocks} in its offload tier)" if num_blocks else ""
 
 
 def _hit_rate(prefix_cache: pb.PrefixCacheStats) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvservice.core.block_pool import KVCacheEvent
+from kvservice.core.block_pool import OFFLOAD_TIER, KVCacheEvent
 from kvservice.core.logprobs import TokenLogprobs
 from kvservice.core.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from kvservice.core.structured_output import StructuredOutputParams
@@ -154,7 +154,9 @@ def logprobs_to_proto(logprobs: list[TokenLogprobs]) -> list[pb.Logprobs]:
 
 
 def kv_event_to_proto(event: KVCacheEvent) -> pb.KVCacheEvent:
+    tier = pb.KV_TIER_OFFLOAD if event.tier == OFFLOAD_TIER else pb.KV_TIER_CACHE
     if event.kind == "stored":
-        return pb.KVCacheEvent(stored=pb.KVBlocksStored(block_hashes=event.block_hashes, parent_hash=event.parent_hash))
+        stored = pb.KVBlocksStored(block_hashes=event.block_hashes, parent_hash=event.parent_hash)
+        return pb.KVCacheEvent(stored=stored, tier=tier)
     assert event.kind == "removed", event.kind
-    return pb.KVCacheEvent(removed=pb.KVBlocksRemoved(block_hashes=event.block_hashes))
+    return pb.KVCacheEvent(removed=pb.KVBlocksRemoved(block_hashes=event.block_hashes), tier=tier)

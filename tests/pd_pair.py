@@ -21,6 +21,7 @@ from kvservice.config import EngineConfig
 from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN
 from kvservice.connector.decode_connector import DecodeKVConnector
 from kvservice.connector.kv_transfer_service import KVTransferService
+from kvservice.connector.offload_tier import OffloadTier
 from kvservice.connector.prefill_connector import PrefillKVConnector
 from kvservice.connector.staging import StagingPool
 from kvservice.connector.transfer_registry import StagedTransfer, TransferRegistry
@@ -79,6 +80,7 @@ class ObservedRegistry(TransferRegistry):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.pull_arrived = asyncio.Event()
         self.pull_started = asyncio.Event()
+        self.first_blocks: dict[str, int] = {}  # per request: the first block its pull asked for
 
     async def wait_registered(self, request_id: str, token: bytes, timeout: float) -> StagedTransfer:
         self.pull_arrived.set()
@@ -86,6 +88,7 @@ class ObservedRegistry(TransferRegistry):
 
     def start_pull(self, transfer: StagedTransfer, token: bytes, first_block: int = 0) -> asyncio.Event:
         changed = super().start_pull(transfer, token, first_block)
+        self.first_blocks[transfer.request_id] = first_block
         self.pull_started.set()
         return changed
 
@@ -142,15 +145,19 @@ async def pd_pair(
     prefill_draft: str | None = None,
     decode_draft: str | None = None,
     service: type[KVTransferService] = KVTransferService,
+    decode_num_blocks: int = NUM_BLOCKS,
+    decode_tier: OffloadTier | None = None,
 ) -> AsyncIterator[Pair]:
     """A prefill and a decode engine over a real PullKV server; `use_shared_memory`: the
     decode side offers the same-host segment (--kv-transfer-shm); `prefill_draft`,
     `decode_draft`: each side's speculative draft model (its KV travels where they match);
-    `service`: the PullKV service the prefill side runs (a test's faulty one)."""
+    `service`: the PullKV service the prefill side runs (a test's faulty one); `decode_num_blocks`,
+    `decode_tier`: the decode side's KV cache size and offload tier."""
     loop = asyncio.get_running_loop()
     prefill_config = with_draft(PREFILL_CONFIG, prefill_draft)
     decode_config = with_draft(
-        dataclasses.replace(DECODE_CONFIG, kv_load_failure_policy=kv_load_failure_policy), decode_draft
+        dataclasses.replace(DECODE_CONFIG, kv_load_failure_policy=kv_load_failure_policy, num_blocks=decode_num_blocks),
+        decode_draft,
     )
     prefill_layout = kv_transfer_layout("tiny", prefill_config)
     registry = ObservedRegistry(StagingPool(48 * prefill_layout.bytes_per_block), prefill_layout)
@@ -164,7 +171,9 @@ async def pd_pair(
         use_shared_memory=use_shared_memory,
     )
     prefill = build_engine("tiny", prefill_config, prefill_connector)
-    decode = build_engine("tiny", decode_config, decode_connector)
+    decode = build_engine("tiny", decode_config, decode_connector, kv_tier=decode_tier)
+    if decode_tier is not None:  # a read back from the tier wakes drive_decode as a pull's end does
+        decode_tier.on_load_done = lambda: loop.call_soon_threadsafe(load_done.set)
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((service(registry, registration_timeout).handler(),))
     port = server.add_insecure_port("127.0.0.1:0")

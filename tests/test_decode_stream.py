@@ -307,7 +307,7 @@ def _chunk(tokens: list[int], text: str, index: int = 0, finish: int = 0) -> pb.
     return pb.GenerateResponse(request_id="r", token_ids=tokens, text=text, index=index, finish_reason=finish)
 
 
-def test_the_workers_outbox_joins_a_sequences_chunks_waiting_in_one_message() -> None:
+async def test_the_workers_outbox_joins_a_sequences_chunks_waiting_in_one_message() -> None:
     outbox = _Outbox()
     outbox.add_response("r0", _chunk([1], "a"))
     outbox.add_response("r1", _chunk([7], "x"))

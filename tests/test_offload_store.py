@@ -602,3 +602,46 @@ def test_pack_and_unpack_refuse_what_does_not_fit() -> None:
         pack_block([torch.zeros(4, 2, 8)])
     with pytest.raises(ValueError, match="at least one"):
         pack_block([])
+
+
+# ---------------------------------------------------------------- what the KV events say of a store
+
+
+def test_a_disk_store_reports_what_entered_and_left_it_in_order(tmp_path: pathlib.Path) -> None:
+    with _store(tmp_path, num_blocks=2) as store:
+        store.write(1, _payload(1))  # before anyone asked: not recorded
+        assert store.take_changes() == []  # the first take starts the record
+        store.write(2, _payload(2))
+        store.write(3, _payload(3))  # evicts 1, the least recently used
+        store.write(3, _payload(3))  # already held: no change
+        _block_file(tmp_path, 2).write_bytes(b"corrupt")
+        assert store.read(2) is None  # dropped by validation
+        assert store.take_changes() == [(True, 2), (False, 1), (True, 3), (False, 2)]
+        assert store.take_changes() == []
+        assert store.block_hashes() == [3]
+
+
+def test_a_disk_store_that_turns_itself_off_reports_every_block_gone(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with _store(tmp_path) as store:
+        store.take_changes()
+        store.write(1, _payload(1))
+        store.write(2, _payload(2))
+
+        def full(src: str, dst: str) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "replace", full)
+        assert not store.write(3, _payload(3))
+        assert store.take_changes() == [(True, 1), (True, 2), (False, 1), (False, 2)]
+        assert store.block_hashes() == []
+
+
+def test_a_host_memory_store_reports_its_writes_and_evictions() -> None:
+    store = HostMemoryKVStore(2 * PAYLOAD_SIZE)
+    store.take_changes()
+    for block_hash in (1, 2, 3):
+        store.write(block_hash, _payload(block_hash))
+    assert store.take_changes() == [(True, 1), (True, 2), (False, 1), (True, 3)]
+    assert sorted(store.block_hashes()) == [2, 3]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import time
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ import torch
 from kvservice.config import EngineConfig
 from kvservice.connector.offload_store import BLOCKS_DIR, DiskKVStore, OffloadStoreLockedError, StoreFingerprint
 from kvservice.connector.offload_tier import OffloadTier
+from kvservice.core.block_hash import block_hashes
+from kvservice.core.block_pool import CACHE_TIER, OFFLOAD_TIER
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.engine import LLMEngine
 from kvservice.engine.engine_builder import build_engine
@@ -159,3 +162,25 @@ async def test_a_relaunched_worker_serves_its_prefixes_from_the_same_directory(
             stats = await client.stats()
     offload = stats.kv_offload if stats.HasField("kv_offload") else stats.workers[0].stats.kv_offload
     assert offload.enabled and offload.num_hit_blocks == 4 and offload.num_blocks_read == 4
+
+
+def test_the_engines_kv_events_say_which_blocks_went_to_the_tier(tmp_path: pathlib.Path) -> None:
+    tier = _tier(tmp_path)
+    engine = build_engine("tiny", CONFIG, kv_tier=tier)
+    engine.core.take_kv_events()  # start recording, as a worker's publisher does
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            _generate(engine, prompt, f"r{i}")
+        deadline = time.monotonic() + 30
+        while tier.stats.num_blocks_written < tier.num_blocks_saved:  # the I/O thread's writes land
+            assert time.monotonic() < deadline, "the tier's writes did not land"
+            time.sleep(0.01)
+        first = set(block_hashes(PROMPTS[0], BLOCK_SIZE, engine.core.kv_hash_seed))
+        events = engine.core.take_kv_events()
+        offloaded = {h for e in events if e.tier == OFFLOAD_TIER and e.kind == "stored" for h in e.block_hashes}
+        uncached = {h for e in events if e.tier == CACHE_TIER and e.kind == "removed" for h in e.block_hashes}
+        assert first <= offloaded and first <= uncached  # evicted from the cache, kept in the tier
+        snapshot = engine.core.kv_cache_snapshot()
+        assert {h for e in snapshot if e.tier == OFFLOAD_TIER for h in e.block_hashes} == offloaded
+    finally:
+        tier.close()

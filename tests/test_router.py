@@ -10,6 +10,7 @@ import pytest_asyncio
 
 from kvservice.core.block_hash import block_hashes
 from kvservice.server.errors import NoWorkerAvailable
+from kvservice.server.proxy.kv_index import KVBlockIndex
 from kvservice.server.proxy.router import DECODE_LOAD_TOKENS, Router
 from kvservice.server.proxy.worker_pool import WorkerHandle, WorkerPool
 from kvservice.v1 import kvservice_pb2 as pb
@@ -34,12 +35,15 @@ async def pools() -> AsyncIterator[tuple[WorkerPool, WorkerPool]]:
         await decode.close()
 
 
-def hold(worker: WorkerHandle, token_ids: list[int]) -> None:
-    """Give `worker`'s index a snapshot in which it caches the full blocks of `token_ids`."""
-    hashes = block_hashes(token_ids, BLOCK_SIZE, SEED)
+def hold(worker: WorkerHandle, token_ids: list[int], offloaded: list[int] | None = None) -> None:
+    """Give `worker`'s index a snapshot in which it caches the full blocks of `token_ids`, and
+    keeps those of `offloaded` in its offload tier."""
     batch = pb.KVEventBatch(seq=1, is_snapshot=True, block_size=BLOCK_SIZE, hash_seed=SEED)
-    if hashes:
-        batch.events.add().stored.block_hashes.extend(hashes)
+    for tier, tokens in ((pb.KV_TIER_CACHE, token_ids), (pb.KV_TIER_OFFLOAD, offloaded or [])):
+        hashes = block_hashes(tokens, BLOCK_SIZE, SEED)
+        if hashes:
+            event = batch.events.add(tier=tier)
+            event.stored.block_hashes.extend(hashes)
     assert worker.kv_index.apply(batch)
 
 
@@ -105,3 +109,56 @@ async def test_the_decode_worker_prefills_what_it_lacks_up_to_the_limit(pools: t
     assert router.route(PREFIX, use_prefill=False).prefill is None
     # 0 disables it: even a full hit is disaggregated.
     assert Router(prefill, decode, "kv-aware", max_local_prefill_tokens=0).route(PREFIX).prefill is prefill.workers[0]
+
+
+async def test_a_prefix_in_a_workers_offload_tier_prices_between_its_cache_and_nowhere(
+    pools: tuple[WorkerPool, WorkerPool],
+) -> None:
+    prefill, decode = pools
+    d0, d1 = decode.workers
+    hold(d1, [], offloaded=PREFIX)
+    router = Router(prefill, decode, "kv-aware")
+    for _ in range(2):
+        assert router.route(PREFIX + [7]).decode is d1  # a load from its store beats a whole pull
+    hold(d0, PREFIX)
+    for _ in range(2):
+        assert router.route(PREFIX + [7]).decode is d0  # the same blocks in a cache beat a load
+    # Conditional disaggregation: what the tier holds is the decode worker's own too.
+    local = Router(prefill, decode, "kv-aware", max_local_prefill_tokens=8)
+    hold(d0, [])
+    route = local.route(PREFIX + [7])
+    assert route.decode is d1 and route.prefill is None and route.num_uncached_tokens == 1
+
+
+async def test_a_prefill_worker_whose_tier_holds_the_prefix_is_picked() -> None:
+    prefill = WorkerPool(["127.0.0.1:1", "127.0.0.1:4"])
+    decode = WorkerPool(["127.0.0.1:2"])
+    try:
+        for worker in prefill.workers + decode.workers:
+            worker.is_healthy = True
+            hold(worker, [])
+        hold(prefill.workers[1], PREFIX[:64], offloaded=PREFIX)
+        router = Router(prefill, decode, "kv-aware")
+        for _ in range(2):
+            assert router.route(PREFIX + [7]).prefill is prefill.workers[1]
+    finally:
+        await prefill.close()
+        await decode.close()
+
+
+async def test_the_index_finds_a_cache_run_then_a_tier_run_as_the_worker_looks_up() -> None:
+    index = KVBlockIndex()
+    hashes = block_hashes(PREFIX, BLOCK_SIZE, SEED)  # 10 blocks
+    batch = pb.KVEventBatch(seq=1, is_snapshot=True, block_size=BLOCK_SIZE, hash_seed=SEED)
+    batch.events.add().stored.block_hashes.extend(hashes[:3] + hashes[6:])
+    batch.events.add(tier=pb.KV_TIER_OFFLOAD).stored.block_hashes.extend(hashes[2:5] + hashes[7:])
+    assert index.apply(batch)
+    # Cache: 0-2 (6 on is past a miss); then the tier from block 3: 3, 4 (5 is nowhere).
+    assert index.locate_blocks(hashes) == (3, 2)
+    later = pb.KVEventBatch(seq=2, block_size=BLOCK_SIZE, hash_seed=SEED)
+    later.events.add(tier=pb.KV_TIER_OFFLOAD).removed.block_hashes.append(hashes[4])
+    later.events.add(tier=pb.KV_TIER_CACHE).removed.block_hashes.append(hashes[0])
+    assert index.apply(later)
+    assert index.locate_blocks(hashes) == (0, 0)  # block 0 is in neither now
+    assert index.apply(pb.KVEventBatch(seq=7, is_snapshot=True, block_size=BLOCK_SIZE, hash_seed=SEED))
+    assert index.block_hashes == set() and index.offload_hashes == set()  # a snapshot replaces both

@@ -45,7 +45,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -151,6 +151,29 @@ class _Counts:
         return KVTierStats(num_blocks, bytes_used, capacity_bytes, **dataclasses.asdict(self), is_enabled=is_enabled)
 
 
+class _Changes:
+    """The blocks that entered and left a store, in order, since the last `take`: what its
+    worker's KV events say of it. Recorded only once someone takes them (a worker that
+    publishes no events keeps no list)."""
+
+    def __init__(self) -> None:
+        self._changes: list[tuple[bool, int]] = []  # (stored?, block hash)
+        self._is_recording = False
+
+    def stored(self, block_hash: int) -> None:
+        if self._is_recording:
+            self._changes.append((True, block_hash))
+
+    def removed(self, block_hashes: Iterable[int]) -> None:
+        if self._is_recording:
+            self._changes.extend((False, block_hash) for block_hash in block_hashes)
+
+    def take(self) -> list[tuple[bool, int]]:
+        self._is_recording = True
+        changes, self._changes = self._changes, []
+        return changes
+
+
 @runtime_checkable
 class KVTier(Protocol):
     """One level of KV storage below the device cache, keyed by prefix-cache block hash.
@@ -174,6 +197,15 @@ class KVTier(Protocol):
     @property
     def stats(self) -> KVTierStats: ...
 
+    def block_hashes(self) -> list[int]:
+        """Every block held now (empty when the tier is off)."""
+        ...
+
+    def take_changes(self) -> list[tuple[bool, int]]:
+        """(stored?, block hash) for each block written or removed since the last call, in order;
+        recording starts with the first call."""
+        ...
+
 
 def _check_hash(block_hash: int) -> None:
     if not 0 < block_hash <= _MAX_HASH:
@@ -191,10 +223,19 @@ class HostMemoryKVStore:
         self._blocks: OrderedDict[int, bytes] = OrderedDict()  # least recently used first
         self._bytes_used = 0
         self._counts = _Counts()
+        self._changes = _Changes()
 
     def contains(self, block_hash: int) -> bool:
         with self._lock:
             return self._counts.count_lookup(block_hash in self._blocks)
+
+    def block_hashes(self) -> list[int]:
+        with self._lock:
+            return list(self._blocks)
+
+    def take_changes(self) -> list[tuple[bool, int]]:
+        with self._lock:
+            return self._changes.take()
 
     def read(self, block_hash: int) -> bytes | None:
         with self._lock:
@@ -215,10 +256,12 @@ class HostMemoryKVStore:
                 self._blocks.move_to_end(block_hash)
                 return True
             while self._bytes_used + len(data) > self.capacity_bytes:
-                _, evicted = self._blocks.popitem(last=False)
+                evicted_hash, evicted = self._blocks.popitem(last=False)
                 self._bytes_used -= len(evicted)
                 self._counts.num_blocks_evicted += 1
+                self._changes.removed((evicted_hash,))
             self._blocks[block_hash] = data
+            self._changes.stored(block_hash)
             self._bytes_used += len(data)
             self._counts.num_blocks_written += 1
             self._counts.num_bytes_written += len(data)
@@ -347,6 +390,7 @@ class DiskKVStore:
         self._lock_fd: int | None = None
         self._is_enabled = True
         self._counts = _Counts()
+        self._changes = _Changes()
         try:
             self._open()
         except OSError as e:
@@ -359,6 +403,14 @@ class DiskKVStore:
             if not self._is_enabled:
                 return False
             return self._counts.count_lookup(block_hash in self._entries)
+
+    def block_hashes(self) -> list[int]:
+        with self._lock:
+            return list(self._entries) if self._is_enabled else []
+
+    def take_changes(self) -> list[tuple[bool, int]]:
+        with self._lock:
+            return self._changes.take()
 
     def read(self, block_hash: int) -> bytes | None:
         with self._lock:
@@ -375,6 +427,7 @@ class DiskKVStore:
                 self._touch(block_hash)
             except FileNotFoundError:
                 self._bytes_used -= self._entries.pop(block_hash)  # removed behind our back
+                self._changes.removed((block_hash,))
                 return None
             except OSError as e:
                 self._disable(f"reading block {block_hash:016x}: {e}")
@@ -402,6 +455,7 @@ class DiskKVStore:
                 return False
             self._entries[block_hash] = size
             self._bytes_used += size
+            self._changes.stored(block_hash)
             self._counts.num_blocks_written += 1
             self._counts.num_bytes_written += data.nbytes
             return True
@@ -516,18 +570,21 @@ class DiskKVStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path(block_hash))
             self._counts.num_blocks_evicted += 1
+            self._changes.removed((block_hash,))
 
     def _drop(self, block_hash: int, problem: str) -> None:
         path = self._path(block_hash)
         logger.warning("KV offload store: dropped %s: %s", path, problem)
         self._bytes_used -= self._entries.pop(block_hash)
         self._counts.num_blocks_dropped += 1
+        self._changes.removed((block_hash,))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
     def _disable(self, reason: str) -> None:
         if self._is_enabled:
             self._is_enabled = False
+            self._changes.removed(self._entries)  # off: none of them is served any more
             logger.warning("KV offload store %s turned itself off (no reads or writes): %s", self.directory, reason)
 
 

@@ -17,6 +17,7 @@ Payloads are validated by the store (checksum, fingerprint) and again here (size
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -26,6 +27,7 @@ import torch
 
 from kvservice.connector.offload_io import OffloadIO, pack_block, unpack_block
 from kvservice.connector.offload_store import KVTier, KVTierStats
+from kvservice.core.block_pool import OFFLOAD_TIER, KVCacheEvent
 from kvservice.model.kv_cache import KVCacheLayout
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,19 @@ class OffloadTier:
 
     def contains(self, block_hash: int) -> bool:
         return self.tier.contains(block_hash)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The tier's changes since the last call, as KV events (runs of one kind joined)."""
+        events: list[KVCacheEvent] = []
+        for is_stored, run in itertools.groupby(self.tier.take_changes(), key=lambda change: change[0]):
+            kind = "stored" if is_stored else "removed"
+            events.append(KVCacheEvent(kind, tuple(block_hash for _, block_hash in run), tier=OFFLOAD_TIER))
+        return events
+
+    def snapshot(self) -> list[KVCacheEvent]:
+        """Everything the tier holds now, as one `stored` event (none when it holds nothing)."""
+        held = tuple(self.tier.block_hashes())
+        return [KVCacheEvent("stored", held, tier=OFFLOAD_TIER)] if held else []
 
     def save(self, evicted: list[tuple[int, int]]) -> None:
         """Queue the evicted blocks' KV (still in place: the step that reuses them has not run)."""

@@ -14,6 +14,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+# Where a block lives, as KV events say: a worker's KV cache, or its offload tier.
+CACHE_TIER, OFFLOAD_TIER = "cache", "offload"
+
 
 @dataclass(slots=True)
 class KVCacheBlock:
@@ -26,11 +29,14 @@ class KVCacheBlock:
 @dataclass(frozen=True, slots=True)
 class KVCacheEvent:
     """A change a prefix-aware router cares about. `stored`: a chain of blocks, each the
-    parent of the next, the first one's parent `parent_hash`; `removed`: evicted blocks."""
+    parent of the next, the first one's parent `parent_hash`; `removed`: evicted blocks.
+    `tier`: where: the KV cache, or the offload tier under it (whose blocks a worker loads
+    back instead of computing them; stored there in any order, so no chain)."""
 
     kind: str  # "stored" | "removed"
     block_hashes: tuple[int, ...]
     parent_hash: int = 0
+    tier: str = CACHE_TIER
 
 
 class BlockPool:

@@ -95,6 +95,9 @@ class Request:
     # manager), and how many prompt tokens the last admission found cached.
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Whether the offload tier was asked for this request's prefix (once: a request whose KV
+    # comes from elsewhere too is admitted again after the load, and must not ask again).
+    has_asked_kv_tier: bool = False
     # Prompt logprobs (`sampling_params.prompt_logprobs`): one per prompt position from 1 on,
     # gathered chunk by chunk (a recomputed prompt skips them) and sent with the first output.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)

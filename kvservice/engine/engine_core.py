@@ -119,14 +119,17 @@ class EngineCore:
         return self.scheduler.abort_request(request_id)
 
     def take_kv_events(self) -> list[KVCacheEvent]:
-        """The prefix cache's changes since the last call (recorded from the first call on)."""
+        """The prefix cache's and the offload tier's changes since the last call (recorded from
+        the first call on)."""
         pool = self.scheduler.kv.block_pool
         pool.record_events = True
-        return pool.take_events()
+        events = pool.take_events()
+        return events if self.kv_tier is None else events + self.kv_tier.take_events()
 
     def kv_cache_snapshot(self) -> list[KVCacheEvent]:
-        """Everything the prefix cache holds now, as `stored` events."""
-        return self.scheduler.kv.block_pool.snapshot()
+        """Everything the prefix cache and the offload tier hold now, as `stored` events."""
+        events = self.scheduler.kv.block_pool.snapshot()
+        return events if self.kv_tier is None else events + self.kv_tier.snapshot()
 
     def _run_prompt_lane(self) -> None:
         """A slice of the prompt lane before the step: what the last step left of the step target

@@ -274,6 +274,14 @@ class Scheduler:
         for request, num_computed in self.tier_loads.take_finished():
             request.num_computed_tokens = num_computed
             self.kv.cache_full_blocks(request)
+            if request.kv_transfer_params is not None:
+                # Its prompt's KV comes from elsewhere too: it waits again, first in line, and its
+                # pull starts past the blocks it found (now in the prefix cache, as freed blocks).
+                self.kv.free(request.request_id)
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
+                continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
 
@@ -349,15 +357,16 @@ class Scheduler:
         return num_started + self.num_loading_from_tier < self.max_num_seqs
 
     def _park_elsewhere(self, request: Request, cached: list[int]) -> bool | None:
-        """Hand a waiting request's prompt to a connector's load, else its prefix to the offload
-        tier, else its prompt to the prompt lane. True if one took it, None if one must but its
+        """Hand a waiting request's prefix to the offload tier, else its prompt to a connector's
+        load, else its prompt to the prompt lane. True if one took it, None if one must but its
         blocks are not free, else False."""
-        if self.remote_loads is not None:
-            parked = self.remote_loads.try_park(request, cached)
-            if parked is not False:
-                return parked
+        # The tier first: a decode worker's own store shortens the pull that follows (see update_from_tier).
         if self.tier_loads is not None:
             parked = self.tier_loads.try_park(request, cached)
+            if parked is not False:
+                return parked
+        if self.remote_loads is not None:
+            parked = self.remote_loads.try_park(request, cached)
             if parked is not False:
                 return parked
         if self.lane_path is not None:

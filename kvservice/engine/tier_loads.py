@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from kvservice.core.block_pool import KVCacheEvent
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.request import Request, RequestStatus
 from kvservice.engine.prefix_reuse import start_after_prefix
@@ -30,6 +31,10 @@ class KVTierIO(Protocol):
 
     def cancel(self, request_id: str) -> None: ...
 
+    def take_events(self) -> list[KVCacheEvent]: ...
+
+    def snapshot(self) -> list[KVCacheEvent]: ...
+
 
 class TierLoads:
     """The requests in WAITING_FOR_KV_TIER, each with the first block its load fills."""
@@ -42,8 +47,14 @@ class TierLoads:
     def try_park(self, request: Request, cached: list[int]) -> bool | None:
         """Load the blocks after the request's cached prefix that the tier holds (never its last
         token's: it is computed here). True if parked, None if its blocks are not free, else False."""
-        if request.needs_prompt_logprobs or request.leader is not None or not self.kv.enable_caching:
+        if (
+            request.has_asked_kv_tier
+            or request.needs_prompt_logprobs
+            or request.leader is not None
+            or not self.kv.enable_caching
+        ):
             return False
+        request.has_asked_kv_tier = True
         bs = self.kv.block_size
         hashes = self.kv.block_hashes(request)
         first = len(cached)

@@ -13,10 +13,17 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class KVTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_CACHE: _ClassVar[KVTier]
+    KV_TIER_OFFLOAD: _ClassVar[KVTier]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+KV_TIER_CACHE: KVTier
+KV_TIER_OFFLOAD: KVTier
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "ignore_eos", "stop", "logprobs", "prompt_logprobs", "structured_output", "n")
@@ -291,7 +298,7 @@ class SpecDecodeStats(_message.Message):
     def __init__(self, num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_verify_steps: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_draft_prompt_tokens_computed: _Optional[int] = ..., num_draft_prompt_tokens_received: _Optional[int] = ..., num_draft_prompt_tokens_recomputed: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("address", "stats", "num_outstanding", "is_healthy", "num_indexed_blocks", "state", "role")
+    __slots__ = ("address", "stats", "num_outstanding", "is_healthy", "num_indexed_blocks", "state", "role", "num_indexed_offload_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +306,7 @@ class WorkerStats(_message.Message):
     NUM_INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_INDEXED_OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     stats: StatsResponse
     num_outstanding: int
@@ -306,7 +314,8 @@ class WorkerStats(_message.Message):
     num_indexed_blocks: int
     state: str
     role: str
-    def __init__(self, address: _Optional[str] = ..., stats: _Optional[_Union[StatsResponse, _Mapping]] = ..., num_outstanding: _Optional[int] = ..., is_healthy: _Optional[bool] = ..., num_indexed_blocks: _Optional[int] = ..., state: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+    num_indexed_offload_blocks: int
+    def __init__(self, address: _Optional[str] = ..., stats: _Optional[_Union[StatsResponse, _Mapping]] = ..., num_outstanding: _Optional[int] = ..., is_healthy: _Optional[bool] = ..., num_indexed_blocks: _Optional[int] = ..., state: _Optional[str] = ..., role: _Optional[str] = ..., num_indexed_offload_blocks: _Optional[int] = ...) -> None: ...
 
 class KVTransferParams(_message.Message):
     __slots__ = ("remote_address", "transfer_token")
@@ -423,12 +432,14 @@ class KVBlocksRemoved(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVCacheEvent(_message.Message):
-    __slots__ = ("stored", "removed")
+    __slots__ = ("stored", "removed", "tier")
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     stored: KVBlocksStored
     removed: KVBlocksRemoved
-    def __init__(self, stored: _Optional[_Union[KVBlocksStored, _Mapping]] = ..., removed: _Optional[_Union[KVBlocksRemoved, _Mapping]] = ...) -> None: ...
+    tier: KVTier
+    def __init__(self, stored: _Optional[_Union[KVBlocksStored, _Mapping]] = ..., removed: _Optional[_Union[KVBlocksRemoved, _Mapping]] = ..., tier: _Optional[_Union[KVTier, str]] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
     __slots__ = ("seq", "is_snapshot", "events", "block_size", "hash_seed")

@@ -2,11 +2,14 @@
 
 - `round-robin`: each worker in turn.
 - `least-loaded`: the fewest outstanding requests (`WorkerHandle.num_outstanding`).
-- `kv-aware` (default): the lowest cost, in prompt tokens, from each worker's index of
-  cached blocks (`kv_index`, fed by its KV events):
-    prefill worker: uncached prompt tokens (what it computes) + PREFILL_LOAD_TOKENS per outstanding request;
-    decode worker:  tokens of the blocks it would pull (prompt blocks past its cached prefix,
-                    the partial last block included) + DECODE_LOAD_TOKENS per outstanding request.
+- `kv-aware` (default): the lowest cost, in prompt tokens, from each worker's index of the
+  blocks in its KV cache and its offload tier (`kv_index`, fed by its KV events). A block in
+  the worker's cache is free; one in its offload tier costs a load from it, OFFLOAD_LOAD_COST
+  of a token each; any other is computed (prefill) or pulled (decode):
+    prefill worker: prompt tokens it holds nowhere (what it computes) + the loads
+                    + PREFILL_LOAD_TOKENS per outstanding request;
+    decode worker:  tokens of the blocks it would pull (prompt blocks past what it holds, the
+                    partial last block included) + the loads + DECODE_LOAD_TOKENS per outstanding request.
   Without the prompt's token ids (text or chat and no tokenizer) it is least-loaded.
 Ties go to the next worker in turn, so equal workers share the work. Unhealthy workers are
 never picked.
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 
 from kvservice.runtime.routing_args import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_ROUTING, ROUTING_POLICIES
 from kvservice.server.errors import NoWorkerAvailable
+from kvservice.server.proxy.kv_index import PrefixLocation
 from kvservice.server.proxy.worker_pool import WorkerHandle, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -38,13 +42,18 @@ PREFILL_LOAD_TOKENS = 256
 # keeps a conversation or a shared prefix on the worker that holds it until that worker
 # runs many (a 1,536-token prefix: ~24) more requests than another.
 DECODE_LOAD_TOKENS = 64
+# A token's KV read back from a worker's own offload tier instead of computed: SmolLM2 keeps
+# ~46 KB of float32 KV a token, read from a local store at GB/s in a few microseconds, against
+# the ~0.5 ms a token its prefill costs on two cores. A tenth keeps a store hit far ahead of a
+# recompute, yet behind the same blocks in a worker's cache.
+OFFLOAD_LOAD_COST = 0.1
 
 
 @dataclass(frozen=True, slots=True)
 class Route:
     decode: WorkerHandle
     prefill: WorkerHandle | None  # None: the decode worker prefills the prompt itself
-    num_uncached_tokens: int | None  # prompt tokens the decode worker lacks; None: unknown
+    num_uncached_tokens: int | None  # prompt tokens the decode worker holds nowhere; None: unknown
 
 
 class Router:
@@ -83,23 +92,34 @@ class Router:
             raise NoWorkerAvailable("no healthy decode worker")
         hashes: dict[tuple[int, int], list[int]] = {}
 
-        def cached_tokens(worker: WorkerHandle) -> int:
+        def where(worker: WorkerHandle) -> PrefixLocation:
             assert token_ids is not None
-            return worker.kv_index.num_cached_tokens(token_ids, hashes)
+            return worker.kv_index.locate(token_ids, hashes)
 
-        def pull_cost(worker: WorkerHandle) -> int:
+        def pull_cost(worker: WorkerHandle) -> float:
             assert token_ids is not None
-            block_size = worker.kv_index.block_size or 1
+            held, block_size = where(worker), worker.kv_index.block_size or 1
             num_prompt_tokens = -(-len(token_ids) // block_size) * block_size
-            return num_prompt_tokens - cached_tokens(worker) + DECODE_LOAD_TOKENS * worker.num_outstanding
+            return (
+                num_prompt_tokens
+                - held.num_held_tokens
+                + OFFLOAD_LOAD_COST * held.num_offloaded_tokens
+                + DECODE_LOAD_TOKENS * worker.num_outstanding
+            )
 
-        def prefill_cost(worker: WorkerHandle) -> int:
+        def prefill_cost(worker: WorkerHandle) -> float:
             assert token_ids is not None
-            return len(token_ids) - cached_tokens(worker) + PREFILL_LOAD_TOKENS * worker.num_outstanding
+            held = where(worker)
+            return (
+                len(token_ids)
+                - held.num_held_tokens
+                + OFFLOAD_LOAD_COST * held.num_offloaded_tokens
+                + PREFILL_LOAD_TOKENS * worker.num_outstanding
+            )
 
         decode = self._pick(self.decode, decoders, token_ids, pull_cost)
         num_uncached = (
-            len(token_ids) - cached_tokens(decode) if token_ids is not None and self.needs_kv_events else None
+            len(token_ids) - where(decode).num_held_tokens if token_ids is not None and self.needs_kv_events else None
         )
         if (
             num_uncached is not None
@@ -116,7 +136,7 @@ class Router:
         pool: WorkerPool,
         candidates: list[WorkerHandle],
         token_ids: Sequence[int] | None,
-        kv_cost: Callable[[WorkerHandle], int],
+        kv_cost: Callable[[WorkerHandle], float],
     ) -> WorkerHandle:
         start = next(self._turns[id(pool)]) % len(candidates)
         in_turn = candidates[start:] + candidates[:start]

@@ -36,6 +36,7 @@ async def cluster_stats(prefill: WorkerPool, decode: WorkerPool, time_remaining:
             num_outstanding=worker.num_outstanding,
             is_healthy=worker.is_healthy,
             num_indexed_blocks=len(worker.kv_index.block_hashes),
+            num_indexed_offload_blocks=len(worker.kv_index.offload_hashes),
             state=worker.state,
             role=role,
         )
