@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from kvservice.client.bench.metrics import RequestRecord
 from kvservice.client.bench.offload import _p99, _summary
+from kvservice.v1 import kvservice_pb2 as pb
 
 
 def _record(turn: int, ttft_s: float, tokens: list[int]) -> RequestRecord:
@@ -15,9 +14,9 @@ def _record(turn: int, ttft_s: float, tokens: list[int]) -> RequestRecord:
 
 
 def test_the_summary_groups_ttft_by_turn_and_keeps_the_answers() -> None:
-    stats = SimpleNamespace(
-        kv_offload=SimpleNamespace(num_hit_blocks=4, num_blocks_written=6, num_bytes_read=100),
-        prefix_cache=SimpleNamespace(hits=1, queries=4),
+    stats = pb.StatsResponse(
+        kv_offload=pb.KVOffloadStats(num_hit_blocks=4, num_blocks_written=6, num_bytes_read=100),
+        prefix_cache=pb.PrefixCacheStats(hits=1, queries=4),
     )
     records = [_record(0, 0.1, [1]), _record(0, 0.3, [2]), _record(1, 0.05, [3])]
     summary = _summary(records, 50.0, 0, stats)
@@ -30,3 +29,12 @@ def test_the_summary_groups_ttft_by_turn_and_keeps_the_answers() -> None:
 def test_p99_of_a_hundred_values_is_the_99th() -> None:
     assert _p99([float(v) for v in range(100, 0, -1)]) == 100.0
     assert _p99([float(v) for v in range(1, 201)]) == 199.0
+
+
+def test_behind_a_proxy_the_summary_adds_up_its_workers_tiers() -> None:
+    stats = pb.StatsResponse(prefix_cache=pb.PrefixCacheStats(hits=2, queries=4))
+    for hits, written, read in ((1, 2, 30), (4, 0, 70)):
+        offload = pb.KVOffloadStats(num_hit_blocks=hits, num_blocks_written=written, num_bytes_read=read)
+        stats.workers.add().stats.kv_offload.CopyFrom(offload)
+    summary = _summary([_record(0, 0.1, [1])], 10.0, 0, stats)
+    assert (summary["tier_hit_blocks"], summary["tier_blocks_written"], summary["tier_bytes_read"]) == (5, 2, 100)

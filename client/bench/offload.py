@@ -4,9 +4,13 @@ cache, served with the KV offload tier off, on, and on again after a restart on 
 Every conversation resends its growing history, so a later turn's prompt starts with everything
 its earlier turns computed. With a cache too small for all conversations, their earlier blocks
 are evicted before their next turn: without the tier they are recomputed, with it they are read
-back. The third run starts a fresh worker on the second run's store: its first turns find their
-prefixes there (a warm restart). Reported per turn: mean and p99 TTFT; per run: output tok/s,
-the tier's hit blocks and bytes read, and whether every run's greedy tokens are the same.
+back. The third run starts fresh workers on the second run's stores: their first turns find
+their prefixes there (a warm restart). Reported per turn: mean and p99 TTFT; per run: output
+tok/s, the tiers' hit blocks and bytes read, and whether every run's greedy tokens are the same.
+
+`--deployment 1p2d` serves it with a prefill worker and two decode workers behind the proxy
+(each worker its own store), and `--request-rate` spreads the conversations' starts (Poisson),
+so a turn's TTFT is its own prefill more than the queue of everyone's.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -27,6 +32,7 @@ from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
 
 RUNS = ("tier off", "tier on", "tier on, restarted")
+DEPLOYMENTS = ("colocated", "1p2d")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +44,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-mib", type=int, default=96, help="the worker's KV cache: a few conversations' worth (default: 96)"
     )
-    parser.add_argument("--kv-offload-gib", type=float, default=2.0, help="the store's bound (default: 2)")
+    parser.add_argument("--kv-offload-gib", type=float, default=2.0, help="each store's bound (default: 2)")
+    parser.add_argument(
+        "--deployment",
+        choices=DEPLOYMENTS,
+        default="colocated",
+        help="one colocated worker, or a prefill and two decode workers behind the proxy (default: colocated)",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="conversations started per second, Poisson; later turns follow their answers (default: all at once)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -58,9 +76,18 @@ async def _run_all(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         for name in RUNS:
             offload = {} if name == "tier off" else {"kv_offload_dir": store, "kv_offload_gib": args.kv_offload_gib}
             print(f"{name}: starting", file=sys.stderr, flush=True)
-            async with LocalCluster(args.model, colocated=True, worker_args=worker_args, **offload) as cluster:
+            cluster = LocalCluster(
+                args.model,
+                num_decode=2,
+                colocated=args.deployment == "colocated",
+                worker_args=worker_args,
+                **offload,  # type: ignore[arg-type]
+            )
+            async with cluster:
                 async with GrpcBackend(cluster.address) as backend:
-                    metrics, records, _ = await run_benchmark(backend, workload, max_concurrency=args.num_conversations)
+                    metrics, records, _ = await run_benchmark(
+                        backend, workload, args.request_rate, max_concurrency=args.num_conversations
+                    )
                 async with KVServiceClient(cluster.address) as client:
                     stats = await client.stats()
             results[name] = _summary(records, metrics.output_throughput, metrics.failed, stats)
@@ -77,7 +104,7 @@ def _summary(records: list[RequestRecord], tok_per_s: float, failed: int, stats:
     for r in records:
         if r.ttft is not None:
             by_turn.setdefault(r.turn, []).append(1000 * r.ttft)
-    offload = stats.kv_offload
+    offload = _offload_totals(stats)
     return {
         "mean_ttft_ms": {t: statistics.mean(v) for t, v in sorted(by_turn.items())},
         "p99_ttft_ms": {t: _p99(v) for t, v in sorted(by_turn.items())},
@@ -93,6 +120,19 @@ def _summary(records: list[RequestRecord], tok_per_s: float, failed: int, stats:
     }
 
 
+def _offload_totals(stats: Any) -> Any:
+    """The tiers' counters: a colocated worker's own, or summed over the proxy's workers."""
+    if not stats.workers:
+        return stats.kv_offload
+    total = type(stats.kv_offload)()
+    for worker in stats.workers:
+        one = worker.stats.kv_offload
+        total.num_hit_blocks += one.num_hit_blocks
+        total.num_blocks_written += one.num_blocks_written
+        total.num_bytes_read += one.num_bytes_read
+    return total
+
+
 def _p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
@@ -105,7 +145,8 @@ def _ms(by_turn: dict[int, float], turn: int) -> float:
 def _report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None:
     print(
         f"KV offload tier, {args.num_conversations} conversations x {args.turns} turns on {args.model}, "
-        f"KV cache {args.kv_cache_mib} MiB:"
+        f"{args.deployment}, KV cache {args.kv_cache_mib} MiB a worker, "
+        f"{'all at once' if math.isinf(args.request_rate) else f'{args.request_rate:g} conversations/s'}:"
     )
     print(f"  {'turn':<6}" + "".join(f"{name + ' TTFT mean / p99 (ms)':>40}" for name in RUNS))
     for turn in range(args.turns):
