@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import re
 import sys
 import time
@@ -15,6 +16,7 @@ from conftest import parse_flags
 
 from kvservice.client.bench import peer_servers, peers
 from kvservice.client.bench.backend import Backend
+from kvservice.client.bench.memory_bandwidth import BandwidthLimit
 from kvservice.client.bench.metrics import RequestRecord
 from kvservice.client.bench.openai_stream import CHAT, COMPLETIONS
 from kvservice.client.bench.peer_install import PeerPaths, cpu_flags, ggml_isa_flags, write_vllm_shim
@@ -134,14 +136,20 @@ def _rows(table: str) -> dict[str, list[str]]:
     }
 
 
-def test_table_has_every_server_the_ratios_to_each_peer_and_the_verdicts() -> None:
-    results = {
-        KVSERVICE_COLOCATED: _server(KVSERVICE_COLOCATED, tpot_1=20.0, itl_16=90.0, tok_s_16=400.0, startup=4.0),
-        KVSERVICE_1P1D: _server(KVSERVICE_1P1D, tpot_1=30.0, itl_16=120.0, tok_s_16=300.0, startup=12.0),
-        LLAMA_CPP: _server(LLAMA_CPP, tpot_1=20.0, itl_16=80.0, tok_s_16=200.0, startup=1.0),
-        VLLM: _server(VLLM, tpot_1=25.0, itl_16=100.0, tok_s_16=300.0, startup=60.0),
+def _all_four() -> dict[str, ServerResult]:
+    return {
+        KVSERVICE_COLOCATED: _server(KVSERVICE_COLOCATED, tpot_1=5.0, itl_16=60.0, tok_s_16=500.0, startup=1.5),
+        KVSERVICE_1P1D: _server(KVSERVICE_1P1D, tpot_1=7.2, itl_16=120.0, tok_s_16=400.0, startup=3.0),
+        LLAMA_CPP: _server(LLAMA_CPP, tpot_1=10.0, itl_16=80.0, tok_s_16=200.0, startup=1.0),
+        VLLM: _server(VLLM, tpot_1=25.0, itl_16=200.0, tok_s_16=300.0, startup=60.0),
     }
-    rows = _rows(format_peers_table(results))
+
+
+BANDWIDTH_LIMIT_MS = 2.5  # 3x: 7.5 ms
+
+
+def test_table_has_every_server_the_ratios_to_each_peer_and_the_verdicts() -> None:
+    rows = _rows(format_peers_table(_all_four(), BANDWIDTH_LIMIT_MS))
     assert rows["Metric"] == [
         "coloc",
         "1p1d",
@@ -155,41 +163,76 @@ def test_table_has_every_server_the_ratios_to_each_peer_and_the_verdicts() -> No
         "pass/fail",
     ]
     assert rows["Status"] == ["ok"] * 4
-    # TPOT 20 and 30 against llama.cpp's 20: within 1.3x for colocated (1.0x), not for 1P1D (1.5x).
+    # TPOT 5 and 7.2 against 0.7x llama.cpp's 10: colocated passes, 1P1D does not.
     assert rows["Mean TPOT c=1 (ms)"] == [
-        "20.00",
-        "30.00",
-        "20.00",
+        "5.00",
+        "7.20",
+        "10.00",
         "25.00",
-        "1.00x",
-        "0.80x",
-        "1.50x",
-        "1.20x",
-        "<= 1.3x llama.cpp",
+        "0.50x",
+        "0.20x",
+        "0.72x",
+        "0.29x",
+        "<= 0.7x llama.cpp",
         "coloc PASS, 1p1d FAIL",
     ]
-    # p99 ITL at 16 against vLLM's 100: 90 passes, 120 fails.
-    assert rows["P99 ITL c=16 (ms)"][-1] == "coloc PASS, 1p1d FAIL"
-    # Throughput against 1.3x the better peer (vLLM's 300 -> 390): 400 passes, 300 fails.
+    # The same TPOTs against 3x the 2.5 ms bandwidth limit, on the row below: both pass.
+    assert rows["<= 3x bandwidth limit"] == ["coloc PASS, 1p1d PASS"]
+    # Throughput against 1.5x the better peer (vLLM's 300 -> 450): 500 passes, 400 fails.
     assert rows["Output tok/s c=16"][4:] == [
+        "2.50x",
+        "1.67x",
         "2.00x",
         "1.33x",
-        "1.50x",
-        "1.00x",
-        ">= 1.3x better peer",
+        ">= 1.5x better peer",
         "coloc PASS, 1p1d FAIL",
     ]
-    assert rows["Start-up to ready (s)"][-2:] == ["1p1d <= 10 s", "FAIL"]  # launch only
-    verdicts = {(v["metric"], v["deployment"]): v for v in target_verdicts(results)}
-    assert verdicts[("Output tok/s c=16", KVSERVICE_COLOCATED)]["bound"] == pytest.approx(390.0)
-    assert verdicts[("Start-up to ready (s)", KVSERVICE_1P1D)]["passed"] is False
-    assert ("Start-up to ready (s)", KVSERVICE_COLOCATED) not in verdicts
+    # p99 ITL at 16 against 0.5x vLLM's 200: 60 passes, 120 fails.
+    assert rows["P99 ITL c=16 (ms)"][-2:] == ["<= 0.5x vllm", "coloc PASS, 1p1d FAIL"]
+    assert rows["Start-up to ready (s)"][-2:] == ["<= 2 s", "coloc PASS, 1p1d FAIL"]
+    assert len(rows["Mean TTFT c=1 (ms)"]) == 8  # no target: figures and ratios only
+
+
+def test_each_target_passes_fails_and_is_undecided_without_its_reference() -> None:
+    verdicts = {(v["target"], v["deployment"]): v for v in target_verdicts(_all_four(), BANDWIDTH_LIMIT_MS)}
+    expected = {  # target: (bound, its reference, colocated passed, 1P1D passed)
+        "<= 0.7x llama.cpp": (7.0, LLAMA_CPP, True, False),
+        "<= 3x bandwidth limit": (7.5, "bandwidth limit", True, True),
+        ">= 1.5x better peer": (450.0, VLLM, True, False),
+        "<= 0.5x vllm": (100.0, VLLM, True, False),
+        "<= 2 s": (2.0, "fixed", True, False),
+    }
+    assert {target for target, _ in verdicts} == set(expected)
+    for target, (bound, reference, *passed) in expected.items():
+        for deployment, was_met in zip((KVSERVICE_COLOCATED, KVSERVICE_1P1D), passed):
+            verdict = verdicts[(target, deployment)]
+            assert verdict["bound"] == pytest.approx(bound), target
+            assert (verdict["reference"], verdict["passed"]) == (reference, was_met), target
+    assert verdicts[("<= 2 s", KVSERVICE_1P1D)]["value"] == 3.0
+    # Without vLLM the ITL target is n/a and the better peer is llama.cpp; without a bandwidth
+    # figure its target is n/a; without either peer only the figures of kvservice's own remain.
+    results = _all_four()
+    del results[VLLM]
+    undecided = {(v["target"], v["deployment"]): v for v in target_verdicts(results)}
+    assert undecided[("<= 0.5x vllm", KVSERVICE_COLOCATED)]["passed"] is None
+    assert undecided[("<= 0.5x vllm", KVSERVICE_COLOCATED)]["reference"] is None
+    assert undecided[("<= 3x bandwidth limit", KVSERVICE_COLOCATED)]["passed"] is None
+    better = undecided[(">= 1.5x better peer", KVSERVICE_1P1D)]
+    assert (better["reference"], better["bound"], better["passed"]) == (LLAMA_CPP, 300.0, True)
+    del results[LLAMA_CPP]
+    rows = _rows(format_peers_table(results))
+    assert rows["Mean TPOT c=1 (ms)"][-1] == rows["<= 3x bandwidth limit"][-1] == "coloc n/a, 1p1d n/a"
+    assert rows["Output tok/s c=16"][-1] == rows["P99 ITL c=16 (ms)"][-1] == "coloc n/a, 1p1d n/a"
+    assert rows["Start-up to ready (s)"][-1] == "coloc PASS, 1p1d FAIL"  # needs no reference
+    assert _rows(format_peers_table({KVSERVICE_1P1D: results[KVSERVICE_1P1D]}, 3.0))["<= 3x bandwidth limit"] == [
+        "PASS"  # one deployment: its verdict alone
+    ]
 
 
 def test_a_peer_that_failed_sanity_shows_no_figures_and_its_targets_are_undecided() -> None:
     results = {
-        KVSERVICE_COLOCATED: _server(KVSERVICE_COLOCATED, tpot_1=20.0, itl_16=90.0, tok_s_16=400.0, startup=4.0),
-        LLAMA_CPP: _server(LLAMA_CPP, tpot_1=20.0, itl_16=80.0, tok_s_16=200.0, startup=1.0),
+        KVSERVICE_COLOCATED: _server(KVSERVICE_COLOCATED, tpot_1=5.0, itl_16=60.0, tok_s_16=400.0, startup=1.5),
+        LLAMA_CPP: _server(LLAMA_CPP, tpot_1=10.0, itl_16=80.0, tok_s_16=200.0, startup=1.0),
         VLLM: ServerResult(
             VLLM, ["vllm"], startup_s=50.0, error="sanity failed: 'What is the capital of France?' answered 'Lyon'"
         ),
@@ -198,11 +241,12 @@ def test_a_peer_that_failed_sanity_shows_no_figures_and_its_targets_are_undecide
     assert rows["Status"][:3] == ["ok", "ok", "sanity failed"]
     assert rows["Mean TPOT c=16 (ms)"][2] == "-" and rows["Mean TPOT c=16 (ms)"][4] == "n/a"  # coloc/vllm
     assert rows["P99 ITL c=16 (ms)"][-1] == "n/a"  # needs vLLM's figure
-    assert rows["Output tok/s c=16"][-1] == "n/a"  # the better of both peers: one is missing
+    assert rows["Output tok/s c=16"][-1] == "PASS"  # the better peer that was measured: llama.cpp's 200 -> 300
     assert rows["Mean TPOT c=1 (ms)"][-1] == "PASS"  # llama.cpp's target stands
     assert rows["Start-up to ready (s)"][2] == "50.00"  # it did start
     results[KVSERVICE_COLOCATED].runs[16]["failed"] = 1  # a run with failures gives no figures either
-    assert _rows(format_peers_table(results))["Output tok/s c=16"][0] == "-"
+    rows = _rows(format_peers_table(results))
+    assert rows["Output tok/s c=16"][0] == "-" and rows["Output tok/s c=16"][-1] == "n/a"
 
 
 def test_the_vllm_shim_is_found_as_the_cpu_build_of_vllm(tmp_path: Path) -> None:
@@ -265,3 +309,24 @@ async def test_a_server_is_timed_until_it_is_healthy_and_lists_its_model_and_sto
     with pytest.raises(peer_servers.ServerStartError, match=r"(?s)exited with code 3 .*no model here"):
         async with peer_servers.PeerServer(failing, tmp_path / "crash.log", ready_timeout=30.0):
             pass
+
+
+def test_the_report_prints_the_bandwidth_limit_under_the_table_and_keeps_it_with_the_verdicts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    limit = BandwidthLimit(bytes_per_token=98_000_000, bandwidth=49e9, num_threads=2)  # 2 ms a token
+    monkeypatch.setattr(peers, "measure_limit", lambda model, num_threads: limit)
+
+    async def measure_all(*args: object) -> dict[str, ServerResult]:
+        return {KVSERVICE_COLOCATED: _all_four()[KVSERVICE_COLOCATED]}
+
+    monkeypatch.setattr(peers, "_measure_all", measure_all)
+    out = tmp_path / "peers.json"
+    args = _args("--servers", KVSERVICE_COLOCATED, "--peers-dir", str(tmp_path), "--json", str(out))
+    assert peers.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[lines.index(limit.describe()) - 1].startswith("=")  # right under the table's closing rule
+    document = json.loads(out.read_text())
+    assert document["memory_bandwidth"]["limit_ms_per_token"] == pytest.approx(2.0)
+    [bandwidth] = [v for v in document["targets"] if v["reference"] == "bandwidth limit"]
+    assert (bandwidth["bound"], bandwidth["passed"]) == (pytest.approx(6.0), True)  # 5 ms <= 3 x 2 ms

@@ -1,8 +1,9 @@
 """The `bench peers` report: one table of every server's figures, kvservice's ratios to each peer,
 and the issue's targets with a pass/fail verdict per kvservice deployment.
 
-Pure functions over result dicts (a `ServerResult` per server, its runs as `result_json` dicts),
-so the table and the verdicts are tested without starting anything.
+Pure functions over result dicts (a `ServerResult` per server, its runs as `result_json` dicts)
+and the memory-bandwidth limit in ms a token (`memory_bandwidth`, measured by the caller), so the
+table and the verdicts are tested without starting anything.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ PEERS = (LLAMA_CPP, VLLM)
 SHORT_NAMES = {KVSERVICE_COLOCATED: "coloc", KVSERVICE_1P1D: "1p1d", LLAMA_CPP: "llama.cpp", VLLM: "vllm"}
 SINGLE, LOADED = 1, 16  # the two concurrency levels the issue measures
 STARTUP = "startup_s"
+BANDWIDTH_LIMIT = "bandwidth limit"  # a target's reference: `memory_bandwidth`'s ms a token
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,41 +94,56 @@ class ServerResult:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """A goal of the issue on one row: kvservice's figure against `factor` x the better of `peers`
-    (lower is better unless `is_higher_better`), or against `limit` when there are no peers."""
+    """A goal of the issue on one row: kvservice's figure against `factor` x its reference, lower
+    is better unless `is_higher_better`. The reference is the better of the `peers` that were
+    measured, the memory-bandwidth limit (`is_of_bandwidth_limit`, ms a token), or a fixed `limit`."""
 
     metric: Metric
     text: str
     peers: tuple[str, ...] = ()
     factor: float = 1.0
     is_higher_better: bool = False
+    is_of_bandwidth_limit: bool = False
     limit: float | None = None
-    deployments: tuple[str, ...] = KVSERVICE
 
-    def bound(self, results: dict[str, ServerResult]) -> float | None:
-        """The figure kvservice must reach; None when a peer it needs was not measured."""
+    def reference(
+        self, results: dict[str, ServerResult], bandwidth_limit_ms: float | None = None
+    ) -> tuple[str, float] | None:
+        """What the bound is a multiple of and its figure; None when that was not measured."""
         if self.limit is not None:
-            return self.limit
-        values = [results[p].value(self.metric) if p in results else None for p in self.peers]
-        if not values or any(v is None for v in values):
+            return "fixed", self.limit
+        if self.is_of_bandwidth_limit:
+            return None if bandwidth_limit_ms is None else (BANDWIDTH_LIMIT, bandwidth_limit_ms)
+        measured = {p: v for p in self.peers if p in results and (v := results[p].value(self.metric)) is not None}
+        if not measured:
             return None
-        numbers = [v for v in values if v is not None]
-        return self.factor * (max(numbers) if self.is_higher_better else min(numbers))
+        best = (max if self.is_higher_better else min)(measured, key=measured.__getitem__)
+        return best, measured[best]
 
-    def verdict(self, deployment: str, results: dict[str, ServerResult]) -> bool | None:
-        """True: met, False: missed, None: not decidable (kvservice or a peer not measured)."""
-        bound = self.bound(results)
+    def bound(self, results: dict[str, ServerResult], bandwidth_limit_ms: float | None = None) -> float | None:
+        """The figure kvservice must reach; None when its reference was not measured."""
+        reference = self.reference(results, bandwidth_limit_ms)
+        return None if reference is None else self.factor * reference[1]
+
+    def verdict(
+        self, deployment: str, results: dict[str, ServerResult], bandwidth_limit_ms: float | None = None
+    ) -> bool | None:
+        """True: met, False: missed, None: not decidable (kvservice or its reference not measured)."""
+        bound = self.bound(results, bandwidth_limit_ms)
         value = results[deployment].value(self.metric) if deployment in results else None
         if bound is None or value is None:
             return None
         return value >= bound if self.is_higher_better else value <= bound
 
 
+# Issue #50's targets (speed round 3), each for both kvservice deployments. A target whose
+# reference did not run (vLLM not installed, say) is n/a; the better peer is the better of those measured.
 TARGETS = (
-    Target(TPOT_SINGLE, "<= 1.3x llama.cpp", peers=(LLAMA_CPP,), factor=1.3),
-    Target(ITL_P99_LOADED, "<= vllm", peers=(VLLM,)),
-    Target(THROUGHPUT_LOADED, ">= 1.3x better peer", peers=PEERS, factor=1.3, is_higher_better=True),
-    Target(STARTUP_TIME, "1p1d <= 10 s", limit=10.0, deployments=(KVSERVICE_1P1D,)),
+    Target(TPOT_SINGLE, "<= 0.7x llama.cpp", peers=(LLAMA_CPP,), factor=0.7),
+    Target(TPOT_SINGLE, f"<= 3x {BANDWIDTH_LIMIT}", factor=3.0, is_of_bandwidth_limit=True),
+    Target(THROUGHPUT_LOADED, ">= 1.5x better peer", peers=PEERS, factor=1.5, is_higher_better=True),
+    Target(ITL_P99_LOADED, "<= 0.5x vllm", peers=(VLLM,), factor=0.5),
+    Target(STARTUP_TIME, "<= 2 s", limit=2.0),
 )
 
 
@@ -134,40 +151,45 @@ def _ratio_cell(value: float | None, baseline: float | None) -> str:
     return "n/a" if value is None or baseline is None else ratio(value, baseline)
 
 
-def _verdict_cell(target: Target, results: dict[str, ServerResult]) -> str:
+def _verdict_cell(target: Target, results: dict[str, ServerResult], bandwidth_limit_ms: float | None) -> str:
     words = {True: "PASS", False: "FAIL", None: "n/a"}
-    verdicts = [(d, target.verdict(d, results)) for d in target.deployments if d in results]
+    verdicts = [(d, target.verdict(d, results, bandwidth_limit_ms)) for d in KVSERVICE if d in results]
     if len(verdicts) == 1:
         return words[verdicts[0][1]]
     return ", ".join(f"{SHORT_NAMES[d]} {words[v]}" for d, v in verdicts)
 
 
-def target_verdicts(results: dict[str, ServerResult]) -> list[dict[str, Any]]:
-    """Every target per kvservice deployment that ran, for the result file."""
-    return [
-        {
-            "metric": t.metric.label,
-            "target": t.text,
-            "deployment": d,
-            "value": results[d].value(t.metric),
-            "bound": t.bound(results),
-            "passed": t.verdict(d, results),
-        }
-        for t in TARGETS
-        for d in t.deployments
-        if d in results
-    ]
+def target_verdicts(results: dict[str, ServerResult], bandwidth_limit_ms: float | None = None) -> list[dict[str, Any]]:
+    """Every target per kvservice deployment that ran, for the result file; `reference` names
+    what the bound came from (a peer, the bandwidth limit, a fixed limit), None when not measured."""
+    verdicts = []
+    for t in TARGETS:
+        reference = t.reference(results, bandwidth_limit_ms)
+        for d in KVSERVICE:
+            if d in results:
+                verdicts.append(
+                    {
+                        "metric": t.metric.label,
+                        "target": t.text,
+                        "deployment": d,
+                        "value": results[d].value(t.metric),
+                        "reference": None if reference is None else reference[0],
+                        "bound": t.bound(results, bandwidth_limit_ms),
+                        "passed": t.verdict(d, results, bandwidth_limit_ms),
+                    }
+                )
+    return verdicts
 
 
-def format_peers_table(results: dict[str, ServerResult]) -> str:
-    """Servers side by side, then kvservice / peer for each pair that ran, then the targets.
+def format_peers_table(results: dict[str, ServerResult], bandwidth_limit_ms: float | None = None) -> str:
+    """Servers side by side, then kvservice / peer for each pair that ran, then the targets: a
+    metric's first on its row, any further one on a row of its own below it.
 
     A figure not measured shows as `-`, its ratios as n/a."""
     names = [n for n in SERVERS if n in results]
     ours = [n for n in names if n in KVSERVICE]
     peers = [n for n in names if n in PEERS]
     pairs = [(k, p) for k in ours for p in peers]
-    targets = {t.metric: t for t in TARGETS}
     header = (
         "Metric",
         *(SHORT_NAMES[n] for n in names),
@@ -175,19 +197,15 @@ def format_peers_table(results: dict[str, ServerResult]) -> str:
         "target",
         "pass/fail",
     )
-    blank = [""] * (len(pairs) + 2)
-    rows: list[Sequence[str]] = [("Status", *(results[n].status for n in names), *blank)]
+    rows: list[Sequence[str]] = [("Status", *(results[n].status for n in names), *[""] * (len(pairs) + 2))]
     for metric in METRICS:
         values = {n: results[n].value(metric) for n in names}
-        ratios = [_ratio_cell(values[k], values[p]) for k, p in pairs]
-        target = targets.get(metric)
-        rows.append(
-            (
-                metric.label,
-                *("-" if values[n] is None else cell(values[n]) for n in names),
-                *ratios,
-                target.text if target else "",
-                _verdict_cell(target, results) if target else "",
-            )
-        )
+        figures = [
+            *("-" if values[n] is None else cell(values[n]) for n in names),
+            *(_ratio_cell(values[k], values[p]) for k, p in pairs),
+        ]
+        targets = [(t.text, _verdict_cell(t, results, bandwidth_limit_ms)) for t in TARGETS if t.metric == metric]
+        first, *more = targets or [("", "")]
+        rows.append((metric.label, *figures, *first))
+        rows.extend(("", *[""] * len(figures), *target) for target in more)
     return render(header, rows)

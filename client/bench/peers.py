@@ -16,8 +16,13 @@ Per server, in order:
    all sent at once) at concurrency 1, then at concurrency 16, each after `--num-warmups` warm-ups;
 4. stop it (its whole process group).
 
+Before the first server starts, on a machine nothing else runs on yet, the bench measures the
+memory-bandwidth limit of a decode step (`memory_bandwidth.py`): SmolLM2's weight bytes a token
+over the read bandwidth of as many threads as the servers get.
+
 The table (`peer_table.py`) puts the figures side by side with kvservice / peer ratios and the
-issue's targets as pass/fail; the commands used follow it, and `--json OUT` keeps everything.
+issue's targets as pass/fail, the bandwidth limit on a line below it; the commands used follow,
+and `--json OUT` keeps everything.
 """
 
 from __future__ import annotations
@@ -33,9 +38,17 @@ from typing import Any
 import aiohttp
 
 from kvservice.client.bench.backend import Backend, OpenAIBackend
+from kvservice.client.bench.memory_bandwidth import measure_limit
 from kvservice.client.bench.openai_stream import CHAT, COMPLETIONS
 from kvservice.client.bench.peer_install import DEFAULT_PEERS_DIR, InstallError, PeerPaths, install
-from kvservice.client.bench.peer_servers import PeerServer, ServerSpec, ServerStartError, free_port, server_spec
+from kvservice.client.bench.peer_servers import (
+    SERVED_MODEL_NAME,
+    PeerServer,
+    ServerSpec,
+    ServerStartError,
+    free_port,
+    server_spec,
+)
 from kvservice.client.bench.peer_table import (
     LOADED,
     PEERS,
@@ -302,9 +315,13 @@ def main(args: argparse.Namespace) -> int:
         return 0
     cores = sorted(os.sched_getaffinity(0))
     length = model_len(args.input_len, args.output_len)
+    print("measuring the memory-bandwidth limit", file=sys.stderr, flush=True)
+    limit = measure_limit(SERVED_MODEL_NAME, len(cores))
+    print(limit.describe(), file=sys.stderr, flush=True)
     specs: list[ServerSpec] = []
     results = asyncio.run(_measure_all(args, paths, gguf, cores, specs))
-    print(format_peers_table(results))
+    print(format_peers_table(results, limit.ms_per_token))
+    print(limit.describe())
     print(format_commands(specs))
     if args.json is not None:
         settings = {
@@ -318,7 +335,8 @@ def main(args: argparse.Namespace) -> int:
                 "max_model_len": length,
             },
             "servers": {name: result.to_json() for name, result in results.items()},
-            "targets": target_verdicts(results),
+            "memory_bandwidth": limit.to_json(),
+            "targets": target_verdicts(results, limit.ms_per_token),
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
