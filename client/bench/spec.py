@@ -96,7 +96,9 @@ def prefill_step_seconds(
     target: pathlib.Path, draft: pathlib.Path, prompts: list[list[int]], repeats: int, device: str = "cpu"
 ) -> dict[str, float]:
     """Median step time of the same prefill, deferred vs eager finalize, alternating: a served
-    prefill worker's step, the draft's prompt KV staged for the decode worker with the target's."""
+    prefill worker's step, the draft's prompt KV staged for the decode worker with the target's.
+    Also the median of the step's first wait for the save: eager, the target's whole save, which
+    is all that deferring can hide; deferred, what is left of the saves after the draft pass."""
     config = EngineConfig(
         dtype="float32",
         num_blocks=2048,
@@ -116,6 +118,16 @@ def prefill_step_seconds(
     runner = engine.core.runner
     params = SamplingParams(temperature=0.0, max_tokens=1)
     times: dict[str, list[float]] = {"deferred": [], "eager": []}
+    waits: dict[str, list[float]] = {"deferred": [], "eager": []}
+    step_waits: list[float] = []
+    wait_for_save = connector.wait_for_save
+
+    def timed_wait_for_save() -> None:
+        began = time.perf_counter()
+        wait_for_save()
+        step_waits.append(time.perf_counter() - began)
+
+    connector.wait_for_save = timed_wait_for_save  # type: ignore[method-assign]
     try:
         for i in range(repeats + 1):
             for mode in ("deferred", "eager"):
@@ -124,18 +136,22 @@ def prefill_step_seconds(
                     registry.register(request_id, b"t", len(prompt))
                     engine.add_request(prompt, params, request_id, {TRANSFER_TOKEN: b"t"})
                 runner.kv_save_before_draft = mode == "eager"
+                step_waits.clear()
                 start = time.perf_counter()
                 engine.step()  # every prompt in one step: the prefill, its save and the draft pass
                 elapsed = time.perf_counter() - start
                 if i > 0:  # the first round warms up
                     times[mode].append(elapsed)
+                    waits[mode].append(step_waits[0])
                 while engine.has_unfinished_requests():
                     engine.step()
                 for j in range(len(prompts)):
                     registry.fail(f"{mode}-{i}-{j}", "benchmark: nobody pulls")
     finally:
         connector.shutdown()
-    return {mode: statistics.median(values) for mode, values in times.items()}
+    return {mode: statistics.median(values) for mode, values in times.items()} | {
+        f"{mode}_save_wait": statistics.median(values) for mode, values in waits.items()
+    }
 
 
 def decode_tokens_per_s(
@@ -352,6 +368,11 @@ def main(args: argparse.Namespace) -> int:
             f"  deferred finalize {1000 * step['deferred']:.1f} ms, eager {1000 * step['eager']:.1f} ms: "
             f"{ratio:.2f}x (target <= 0.85x)"
         )
+        print(
+            f"  the wait for the target's save: eager {1000 * step['eager_save_wait']:.2f} ms (all that deferring "
+            f"can hide: {step['eager_save_wait'] / step['eager']:.1%} of the step), deferred, after the draft pass, "
+            f"{1000 * step['deferred_save_wait']:.2f} ms"
+        )
         decode_prompts = [torch.randint(0, vocab, (32,), generator=gen).tolist() for _ in range(args.decode_batch)]
         rows = {}
         for name, draft in (
@@ -374,6 +395,8 @@ def main(args: argparse.Namespace) -> int:
                     "prefill_step_deferred_s": step["deferred"],
                     "prefill_step_eager_s": step["eager"],
                     "deferred_over_eager": ratio,
+                    "save_wait_eager_s": step["eager_save_wait"],
+                    "save_wait_deferred_s": step["deferred_save_wait"],
                     "decode": {
                         name: {"tokens_per_s": tps, "acceptance_rate": acc} for name, (tps, acc) in rows.items()
                     },
