@@ -19,7 +19,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 SUPPORTED_GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2"}
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The KV cache's element type (`kvservice.model.kv_dtype`): "auto" is the model's compute dtype (exact).
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 

@@ -28,10 +28,11 @@ from kvservice.model.kv_dtype import decode_rows, encode_rows, kv_storage_dtype
 from kvservice.runtime.engine_args import add_engine_arguments, engine_argv, engine_config
 from kvservice.worker.input_batch import BatchItem, build_batch
 
-KV_DTYPES = [torch.bfloat16]
-# The worst logprob error against transformers (float32) that a bfloat16 cache may add on the random
-# llama checkpoint: measured 0.025 (prompt and sampled positions, 16-token chunks); float32 is within 1e-5.
-BF16_LOGPROB_ATOL = 0.05
+KV_DTYPES = [torch.bfloat16, torch.int8]
+# The worst logprob error against transformers (float32) that a cache of each dtype may add on the
+# random llama checkpoint (prompt and sampled positions, 16-token chunks): measured 0.025 (bfloat16) and
+# 0.081 (int8); float32 is within 1e-5.
+LOGPROB_ATOL = {"bfloat16": 0.05, "int8": 0.2}
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +122,8 @@ def test_the_storage_dtype_of_each_choice() -> None:
     assert kv_storage_dtype("auto", torch.float32) == torch.float32
     assert kv_storage_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert kv_storage_dtype("bfloat16", torch.float32) == torch.bfloat16
+    assert kv_storage_dtype("int8", torch.bfloat16) == torch.int8
+    assert KVCacheLayout(1, BLOCK_SIZE, 3, 64, torch.int8).blocks_shape(2) == (2, 2, BLOCK_SIZE, 3, 68)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         kv_storage_dtype("fp4", torch.float32)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
@@ -131,6 +134,7 @@ def test_the_flag_reaches_the_config_and_every_worker() -> None:
     args = parse_flags(add_engine_arguments, "--kv-cache-dtype", "bfloat16")
     assert engine_config(args).kv_cache_dtype == "bfloat16"
     assert engine_argv(args) == ["--kv-cache-dtype", "bfloat16"]
+    assert engine_config(parse_flags(add_engine_arguments, "--kv-cache-dtype", "int8")).kv_cache_dtype == "int8"
     assert engine_config(parse_flags(add_engine_arguments)).kv_cache_dtype == "auto"
     with pytest.raises(SystemExit):
         parse_flags(add_engine_arguments, "--kv-cache-dtype", "fp4")
@@ -139,19 +143,22 @@ def test_the_flag_reaches_the_config_and_every_worker() -> None:
     assert "--kv-cache-dtype" in parser.format_help()
 
 
-def test_a_bfloat16_cache_holds_twice_the_blocks_in_the_same_memory(llama_dir: pathlib.Path) -> None:
+def test_a_narrower_cache_holds_more_blocks_in_the_same_memory(llama_dir: pathlib.Path) -> None:
     sizes = {}
-    for kv_cache_dtype in ("auto", "bfloat16"):
+    for kv_cache_dtype in ("auto", "bfloat16", "int8"):
         llm = LLM(str(llama_dir), kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=4 << 20)
         sizes[kv_cache_dtype] = llm.engine.num_blocks
         assert {c.dtype for c in llm.engine.core.kv_caches} == {kv_storage_dtype(kv_cache_dtype, torch.float32)}
+    head_dim = llm.engine.core.layout.head_dim
     assert sizes["bfloat16"] == 2 * sizes["auto"]
+    assert sizes["int8"] == 4 * head_dim * sizes["auto"] // (head_dim + 4)  # the scale: 4 bytes a row
 
 
-def test_a_bfloat16_cache_stays_close_to_transformers(llama_dir: pathlib.Path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8"])
+def test_a_narrower_cache_stays_close_to_transformers(llama_dir: pathlib.Path, kv_cache_dtype: str) -> None:
     """Prompt logprobs (16-token chunks: later chunks read the cache) and sampled ones (decode reads it)."""
     prompts = random_prompts((2, 9, 17, 33, 40), seed=3)
-    llm = LLM(str(llama_dir), kv_cache_dtype="bfloat16", num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
+    llm = LLM(str(llama_dir), kv_cache_dtype=kv_cache_dtype, num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     errors = []
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
@@ -161,12 +168,13 @@ def test_a_bfloat16_cache_stays_close_to_transformers(llama_dir: pathlib.Path) -
         for p, got in enumerate([*out.prompt_logprobs, *out.logprobs]):
             assert got.token_id == targets[p]
             errors.append(abs(got.logprob - float(reference[p, targets[p]])))
-    assert max(errors) <= BF16_LOGPROB_ATOL
+    assert max(errors) <= LOGPROB_ATOL[kv_cache_dtype]
     assert max(errors) > 1e-5  # the cache really rounded (float32 is within 1e-5)
 
 
-def test_the_one_call_decode_layers_write_and_read_a_bfloat16_cache_as_the_per_op_path(
-    kernels: None, tmp_path: pathlib.Path
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8"])
+def test_the_one_call_decode_layers_write_and_read_a_narrower_cache_as_the_per_op_path(
+    kernels: None, tmp_path: pathlib.Path, kv_cache_dtype: str
 ) -> None:
     """A block-quantized model decodes through `decode_layers_` (rotary, the rounded write and
     attention in C++); with it turned off, through write_kv_ and the kernel: the same caches, bit
@@ -176,7 +184,7 @@ def test_the_one_call_decode_layers_write_and_read_a_bfloat16_cache_as_the_per_o
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     runs = []
     for fused in (True, False):
-        llm = LLM(str(path), kv_cache_dtype="bfloat16", num_blocks=32)
+        llm = LLM(str(path), kv_cache_dtype=kv_cache_dtype, num_blocks=32)
         if not fused:
             llm.engine.core.loaded.model._decode_args = False  # the per-op path
         outputs = llm.generate(prompts, params)
@@ -186,4 +194,5 @@ def test_the_one_call_decode_layers_write_and_read_a_bfloat16_cache_as_the_per_o
     (fused_out, fused_core), (per_op_out, per_op_core) = runs
     assert fused_out == per_op_out
     for a, b in zip(fused_core.kv_caches, per_op_core.kv_caches):
-        assert a.dtype == torch.bfloat16 and torch.equal(a.view(torch.int16), b.view(torch.int16))
+        assert a.dtype == kv_storage_dtype(kv_cache_dtype, torch.float32)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -11,10 +11,12 @@ import pathlib
 import pytest
 import torch
 
-from kvservice.connector.offload_store import StoreFingerprint
+from kvservice.connector import offload_store
+from kvservice.connector.offload_store import DiskKVStore, StoreFingerprint
 from kvservice.engine.llm import LLM
 from kvservice.loading.model_files import TINY_CONFIG
 from kvservice.model.kv_cache import KVCacheLayout
+from kvservice.model.kv_dtype import kv_storage_dtype, row_width
 from tests.pd_pair import (
     BLOCK_SIZE,
     DECODE_PARAMS,
@@ -57,24 +59,27 @@ async def _run(pair: Pair, prompts: list[list[int]]) -> tuple[dict[str, list[int
     return {rid: out.token_ids for rid, out in finished.items()}, prefill_kv, decode_kv
 
 
-@pytest.mark.parametrize("use_shared_memory", [False, True])
-async def test_a_bfloat16_pull_moves_the_caches_own_bytes(use_shared_memory: bool) -> None:
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "use_shared_memory"), [("bfloat16", False), ("bfloat16", True), ("int8", False), ("int8", True)]
+)
+async def test_a_narrower_pull_moves_the_caches_own_bytes(kv_cache_dtype: str, use_shared_memory: bool) -> None:
     async with pd_pair(use_shared_memory=use_shared_memory) as pair:
-        float32_tokens, _, _ = await _run(pair, SOME_PROMPTS)
+        await _run(pair, SOME_PROMPTS)
         float32_bytes = pair.decode_connector.stats.num_bytes
-    async with pd_pair(use_shared_memory=use_shared_memory, kv_cache_dtypes=("bfloat16", "bfloat16")) as pair:
+    async with pd_pair(use_shared_memory=use_shared_memory, kv_cache_dtypes=(kv_cache_dtype, kv_cache_dtype)) as pair:
         tokens, prefill_kv, decode_kv = await _run(pair, SOME_PROMPTS)
         assert pair.decode_connector.stats.num_failed_transfers == 0
-        bfloat16_bytes = pair.decode_connector.stats.num_bytes
+        num_bytes = pair.decode_connector.stats.num_bytes
+    dtype = kv_storage_dtype(kv_cache_dtype, torch.float32)
     for rid, layers in decode_kv.items():  # the prefill side's blocks arrived bit for bit
         for prefill_layer, decode_layer in zip(prefill_kv[rid], layers, strict=True):
-            assert decode_layer.dtype == torch.bfloat16
-            assert torch.equal(prefill_layer.view(torch.int16), decode_layer.view(torch.int16)), rid
-    assert bfloat16_bytes * 2 == float32_bytes > 0
-    # As a colocated engine with a bfloat16 cache computes them (the prompts in the same chunks).
-    colocated = LLM("tiny", **{**COLOCATED, "kv_cache_dtype": "bfloat16"}).generate(SOME_PROMPTS, DECODE_PARAMS)
+            assert decode_layer.dtype == dtype
+            assert torch.equal(prefill_layer.view(torch.uint8), decode_layer.view(torch.uint8)), rid
+    head_dim = TINY_CONFIG.head_dim
+    assert num_bytes * 4 * head_dim == float32_bytes * row_width(dtype, head_dim) * dtype.itemsize
+    # As a colocated engine with that cache computes them (the prompts in the same chunks).
+    colocated = LLM("tiny", **{**COLOCATED, "kv_cache_dtype": kv_cache_dtype}).generate(SOME_PROMPTS, DECODE_PARAMS)
     assert [tokens[f"req-{i}"] for i in range(len(SOME_PROMPTS))] == [o.token_ids for o in colocated]
-    assert tokens != float32_tokens  # the rounding shows on the tiny model
 
 
 async def test_different_kv_cache_dtypes_are_refused_naming_both(caplog: pytest.LogCaptureFixture) -> None:
@@ -90,10 +95,19 @@ async def test_different_kv_cache_dtypes_are_refused_naming_both(caplog: pytest.
     assert "'bfloat16'" in refusals[0] and "'float32'" in refusals[0] and "--kv-cache-dtype" in refusals[0]
 
 
-def test_the_offload_store_fingerprint_differs_by_kv_dtype(tmp_path: pathlib.Path) -> None:
+def test_an_offload_store_of_another_kv_dtype_is_reset_not_served(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
     fingerprints = {
         dtype: StoreFingerprint.from_layout("tiny", KVCacheLayout.for_model(TINY_CONFIG, BLOCK_SIZE, dtype))
-        for dtype in (torch.float32, torch.bfloat16)
+        for dtype in (torch.float32, torch.bfloat16, torch.int8)
     }
-    assert fingerprints[torch.bfloat16].dtype == "bfloat16"
-    assert fingerprints[torch.float32].digest != fingerprints[torch.bfloat16].digest
+    assert [f.dtype for f in fingerprints.values()] == ["float32", "bfloat16", "int8"]
+    assert len({f.digest for f in fingerprints.values()}) == 3
+    caplog.set_level(logging.WARNING, logger=offload_store.logger.name)
+    with DiskKVStore(tmp_path, 1 << 20, fingerprints[torch.bfloat16]) as store:
+        store.write(1, bytes(100))
+        assert store.contains(1)
+    with DiskKVStore(tmp_path, 1 << 20, fingerprints[torch.int8]) as store:
+        assert not store.contains(1) and store.read(1) is None and store.stats.num_blocks == 0
+    assert any("reset" in r.getMessage() and "bfloat16" in r.getMessage() for r in caplog.records)

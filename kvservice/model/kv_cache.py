@@ -35,7 +35,7 @@ class KVCacheLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVCacheLayout.{name} must be a positive int, got {value!r}")
-        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
             raise ValueError(f"unsupported KV dtype {self.dtype}")
         if not 0 <= self.num_draft_layers < self.num_layers:
             raise ValueError(

@@ -45,9 +45,10 @@ def add_engine_arguments(
             default="auto",
             choices=KV_CACHE_DTYPES,
             help="what the KV cache stores: auto, the compute dtype (exact; float32 on the CPU); bfloat16, half of "
-            "float32's bytes a value (rounded to nearest even; attention computes in float32 all the same), so the "
-            "cache holds twice the tokens and transfers, prefix cache and offload tier move half the bytes, for a "
-            "small logprob error (docs/kv_cache_dtype.md). Prefill and decode workers must agree "
+            "float32's bytes (each value rounded to nearest even); int8, about a quarter (8-bit codes with a float32 "
+            "scale per token and KV head). Attention computes in float32 all the same; the cache holds 2x / ~3.8x "
+            "the tokens and transfers, prefix cache and offload tier move that many fewer bytes, for a small "
+            "logprob error (measured in docs/kv_cache_dtype.md). Prefill and decode workers must agree "
             "(default: auto)",
         ),
         group.add_argument(
