@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvservice.connector import offload_store
+from kvservice.connector.offload_io import pack_block, unpack_block
 from kvservice.connector.offload_store import DiskKVStore, StoreFingerprint
 from kvservice.engine.llm import LLM
 from kvservice.loading.model_files import TINY_CONFIG
@@ -111,3 +112,13 @@ def test_an_offload_store_of_another_kv_dtype_is_reset_not_served(
     with DiskKVStore(tmp_path, 1 << 20, fingerprints[torch.int8]) as store:
         assert not store.contains(1) and store.read(1) is None and store.stats.num_blocks == 0
     assert any("reset" in r.getMessage() and "bfloat16" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_an_offloaded_block_keeps_the_caches_bytes(dtype: torch.dtype) -> None:
+    layout = KVCacheLayout.for_model(TINY_CONFIG, BLOCK_SIZE, dtype)
+    caches = [torch.randint(-100, 100, layout.blocks_shape(3)).to(dtype) for _ in range(layout.num_layers)]
+    payload = pack_block([cache[:, 1] for cache in caches])
+    assert len(payload) == layout.bytes_per_block
+    for cache, layer in zip(caches, unpack_block(payload, layout), strict=True):
+        assert layer.dtype == dtype and torch.equal(layer.view(torch.uint8), cache[:, 1].view(torch.uint8))
