@@ -96,6 +96,11 @@ BENCHMARKS: dict[str, Command] = {
         "kvservice.client.bench.proxy_cpu",
         "the proxy's CPU time per relayed output token, over gRPC and over the OpenAI HTTP front (1P1D)",
     ),
+    "kv-dtype": Command(
+        "kvservice.client.bench.kv_dtype",
+        "--kv-cache-dtype's quality on SmolLM2 against transformers: prompt logprobs, greedy chat agreement, "
+        "lm-eval loglikelihoods",
+    ),
     "engine": Command(
         "kvservice.client.bench.engine",
         "prefill and decode tokens/s at batch 1 and 16, side by side with transformers' generate",

@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 # GGUF's `general.architecture`: llama.cpp writes Mistral as "llama" too.
 SUPPORTED_GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2"}
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The KV cache's element type (`kvservice.model.kv_dtype`): "auto" is the model's compute dtype (exact).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
@@ -219,6 +221,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     device: str = "cpu"
     dtype: str = "auto"
+    # What the KV cache stores (KV_CACHE_DTYPES): "auto", the compute dtype, or fewer bytes a value.
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     kv_load_failure_policy: str = "recompute"
     # Speculative decoding: a proposer suggests up to num_speculative_tokens tokens a step, which the
@@ -249,6 +253,8 @@ class EngineConfig:
         self._check_sizes()
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         self._check_speculative()

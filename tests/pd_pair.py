@@ -145,18 +145,25 @@ async def pd_pair(
     prefill_draft: str | None = None,
     decode_draft: str | None = None,
     service: type[KVTransferService] = KVTransferService,
+    kv_cache_dtypes: tuple[str, str] = ("auto", "auto"),
     decode_num_blocks: int = NUM_BLOCKS,
     decode_tier: OffloadTier | None = None,
 ) -> AsyncIterator[Pair]:
     """A prefill and a decode engine over a real PullKV server; `use_shared_memory`: the
     decode side offers the same-host segment (--kv-transfer-shm); `prefill_draft`,
     `decode_draft`: each side's speculative draft model (its KV travels where they match);
-    `service`: the PullKV service the prefill side runs (a test's faulty one); `decode_num_blocks`,
-    `decode_tier`: the decode side's KV cache size and offload tier."""
+    `service`: the PullKV service the prefill side runs (a test's faulty one); `kv_cache_dtypes`: the
+    prefill and the decode side's --kv-cache-dtype; `decode_num_blocks`, `decode_tier`: the decode
+    side's KV cache size and offload tier."""
     loop = asyncio.get_running_loop()
-    prefill_config = with_draft(PREFILL_CONFIG, prefill_draft)
+    prefill_config = with_draft(dataclasses.replace(PREFILL_CONFIG, kv_cache_dtype=kv_cache_dtypes[0]), prefill_draft)
     decode_config = with_draft(
-        dataclasses.replace(DECODE_CONFIG, kv_load_failure_policy=kv_load_failure_policy, num_blocks=decode_num_blocks),
+        dataclasses.replace(
+            DECODE_CONFIG,
+            kv_load_failure_policy=kv_load_failure_policy,
+            kv_cache_dtype=kv_cache_dtypes[1],
+            num_blocks=decode_num_blocks,
+        ),
         decode_draft,
     )
     prefill_layout = kv_transfer_layout("tiny", prefill_config)

@@ -16,23 +16,14 @@ import pytest
 import yaml
 from conftest import local_cluster
 
+from kvservice.client.bench.kv_dtype import LM_EVAL_QUESTIONS
+
 pytestmark = pytest.mark.slow
 
 TASK = "kvservice_easy_choices"
 # (question, choices, index of the answer): easy enough that a 135M model gets most right,
-# some answers several tokens long (the slice after the context must cover them all).
-QUESTIONS: list[tuple[str, list[str], int]] = [
-    ("The capital of France is", ["Paris", "Berlin", "Madrid", "Rome"], 0),
-    ("The color of the sky on a clear day is", ["green", "blue", "red", "brown"], 1),
-    ("Two plus two equals", ["seven", "three", "four", "ten"], 2),
-    ("The opposite of hot is", ["cold", "loud", "tall", "fast"], 0),
-    ("A dog says", ["meow", "moo", "quack", "woof"], 3),
-    ("The largest planet in our solar system is", ["Mars", "Jupiter", "Venus", "Mercury"], 1),
-    ("Water freezes at zero degrees", ["Fahrenheit", "Kelvin", "Celsius", "north"], 2),
-    ("The first day of the week after Sunday is", ["Monday", "Friday", "Thursday", "Saturday"], 0),
-    ("Bees make", ["milk", "steel", "glass", "honey"], 3),
-    ("The sun rises in the", ["west", "east", "basement", "ocean"], 1),
-]
+# some answers several tokens long (`kvservice bench kv-dtype` scores them per KV cache dtype).
+QUESTIONS = LM_EVAL_QUESTIONS
 NUM_CHOICES = 4
 # Our kernels run on the Q4_1 nibbles, transformers on the weights dequantized to float32:
 # the same math in another summation order (measured: at most 4e-5 apart).

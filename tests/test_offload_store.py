@@ -84,8 +84,8 @@ def test_fingerprint_from_layout_and_validation() -> None:
         StoreFingerprint("m", "float32", 0, 2, 2, 8)
     with pytest.raises(ValueError, match="model_id"):
         StoreFingerprint("", "float32", 16, 2, 2, 8)
-    with pytest.raises(ValueError, match="int8"):
-        StoreFingerprint("m", "int8", 16, 2, 2, 8)
+    with pytest.raises(ValueError, match="int4"):  # int8 is a KV dtype (--kv-cache-dtype int8)
+        StoreFingerprint("m", "int4", 16, 2, 2, 8)
 
 
 # ---------------------------------------------------------------- the disk tier

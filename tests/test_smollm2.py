@@ -12,6 +12,7 @@ import torch
 from hf_models import TOKENIZER_CORPUS
 
 from kvservice import LLM, SamplingParams
+from kvservice.client.bench.kv_dtype import SMOLLM2_CONVERSATIONS
 from kvservice.loading.model_files import load_model_config, model_name
 from kvservice.loading.model_loader import ModelLoadError, load_model
 from kvservice.model import model as model_module
@@ -22,21 +23,7 @@ MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-CONVERSATIONS: list[list[dict[str, str]]] = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
-    [
-        {"role": "user", "content": "Hi!"},
-        {"role": "assistant", "content": "Hello! How can I help you today?"},
-        {"role": "user", "content": "Tell me a joke."},
-    ],
-    [{"role": "user", "content": "Translate 'good morning' into Spanish."}],
-    [{"role": "user", "content": "List three prime numbers."}],
-    [{"role": "user", "content": "東京はどこですか？"}],
-    [{"role": "user", "content": "def add(a, b):\n    return a + b\n\nWhat does this do?"}],
-    [{"role": "user", "content": "Describe 🙂 in one word."}],
-]
+CONVERSATIONS = SMOLLM2_CONVERSATIONS  # the real-model chat set (`kvservice bench kv-dtype` reports on it too)
 PLAIN_PROMPTS = ["The quick brown fox"]
 
 

@@ -80,7 +80,7 @@ def test_dtype_names_round_trip(name: str, dtype: torch.dtype) -> None:
     assert wire.dtype_from_name(name) is dtype
 
 
-@pytest.mark.parametrize("name", ["", "int8", "torch.bfloat16", "BFLOAT16", "float64"])
+@pytest.mark.parametrize("name", ["", "int4", "torch.bfloat16", "BFLOAT16", "float64"])
 def test_unknown_dtype_names_rejected(name: str) -> None:
     with pytest.raises(KVChunkError, match="dtype"):
         wire.dtype_from_name(name)

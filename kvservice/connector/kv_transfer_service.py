@@ -225,6 +225,11 @@ def _unsent_payload(transfer: StagedTransfer, chunk: StagedChunk, skip: int) -> 
 def _layout_mismatch(request: pb.PullKVRequest, layout: KVCacheLayout, dtype: str) -> str | None:
     """Why a pull cannot be served from this layout: the target's geometry differs, or both
     ends run a speculative draft and not the same one. None if it can."""
+    if request.dtype != dtype:
+        return (
+            f"KV cache dtype mismatch: the decode worker's KV is {request.dtype[:64]!r}, this prefill worker's "
+            f"{dtype!r}; give both the same --kv-cache-dtype (and --dtype)"
+        )
     num_target_layers = request.num_layers - min(request.num_draft_layers, request.num_layers)
     theirs = (num_target_layers, request.block_size, request.num_kv_heads, request.head_dim, request.dtype)
     ours = (layout.num_target_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, dtype)

@@ -124,5 +124,5 @@ def unpack_block(payload: bytes | memoryview, layout: KVCacheLayout) -> list[tor
     if data.nbytes != layout.bytes_per_block:
         raise ValueError(f"a block of this layout is {layout.bytes_per_block} bytes, the payload is {data.nbytes}")
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(layout.dtype)
-    blocks = flat.view(layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    blocks = flat.view(layout.num_layers, *layout.blocks_shape(1)).squeeze(2)
     return list(blocks.unbind(0))

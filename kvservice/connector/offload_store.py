@@ -77,7 +77,7 @@ class StoreFingerprint:
     """What decides a block's bytes besides its tokens: blocks are served only to an equal fingerprint."""
 
     model_id: str
-    dtype: str  # a KV dtype's wire name: "float32", "bfloat16", "float16"
+    dtype: str  # a KV dtype's wire name: "float32", "bfloat16", "float16", "int8"
     block_size: int
     num_layers: int
     num_kv_heads: int

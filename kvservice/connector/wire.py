@@ -36,6 +36,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    "int8": torch.int8,  # --kv-cache-dtype int8: each row's codes, then its float32 scale (kv_dtype.py)
 }
 _DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
 
@@ -52,7 +53,7 @@ class KVChunkError(ValueError):
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The wire name of a KV dtype ("float32", "bfloat16", "float16")."""
+    """The wire name of a KV dtype ("float32", "bfloat16", "float16", "int8")."""
     try:
         return _DTYPE_NAMES[dtype]
     except KeyError:

@@ -24,6 +24,7 @@ from kvservice.engine.tier_loads import KVTierIO
 from kvservice.loading.model_files import load_model_config
 from kvservice.loading.model_loader import LoadedModel, load_model, resolve_dtype
 from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
+from kvservice.model.kv_dtype import kv_storage_dtype
 from kvservice.structured.grammar import GrammarCompiler
 from kvservice.worker.core_lease import CoreLease, LeaseRole
 from kvservice.worker.draft_proposer import DraftLayerHooks, DraftProposer
@@ -66,9 +67,12 @@ def build_engine_core(
 ) -> EngineCore:
     max_model_len = config.max_model_len or load_model_config(model).max_position_embeddings
     loaded = load_model(model, config.dtype, config.device, rotary_positions(max_model_len))
-    layout = KVCacheLayout.for_model(loaded.config, config.block_size, loaded.dtype)
+    kv_dtype = functools.partial(kv_storage_dtype, config.kv_cache_dtype)
+    layout = KVCacheLayout.for_model(loaded.config, config.block_size, kv_dtype(loaded.dtype))
     draft = _load_draft(config, loaded, max_model_len)
-    draft_layout = None if draft is None else KVCacheLayout.for_model(draft.config, config.block_size, draft.dtype)
+    draft_layout = (
+        None if draft is None else KVCacheLayout.for_model(draft.config, config.block_size, kv_dtype(draft.dtype))
+    )
     bytes_per_block = layout.bytes_per_block + (0 if draft_layout is None else draft_layout.bytes_per_block)
     num_blocks = config.num_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
     kv_caches = allocate_kv_caches(layout, num_blocks, loaded.device)
@@ -85,9 +89,9 @@ def build_engine_core(
     if connector is not None:
         transfer_layout = layout
         if draft is not None and config.draft_model is not None:
-            transfer_layout = _with_draft(layout, config.draft_model, draft.config, draft.dtype)
+            transfer_layout = _with_draft(layout, config.draft_model, draft.config, kv_dtype(draft.dtype))
         draft_hooks = _register_kv_caches(connector, transfer_layout, kv_caches + draft_caches)
-    kv_hash_seed = hash_seed(model, str(loaded.dtype))
+    kv_hash_seed = hash_seed(model, str(layout.dtype))  # the KV's dtype: "auto" keeps the model's
     scheduler = _build_scheduler(
         config, num_blocks, kv_hash_seed, loaded.config.vocab_size, connector, prompt_lane, kv_tier
     )
@@ -136,11 +140,15 @@ def kv_transfer_layout(model: str, config: EngineConfig) -> KVCacheLayout:
     """This worker's KV as a transfer moves it: the target's layers, then a draft model's where
     its KV has the target's geometry (so the draft's prompt KV travels on the same pull)."""
     target_config = load_model_config(model)
-    layout = KVCacheLayout.for_model(target_config, config.block_size, resolve_dtype(config.dtype, target_config))
+
+    def kv_dtype(model_config: ModelConfig) -> torch.dtype:
+        return kv_storage_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, model_config))
+
+    layout = KVCacheLayout.for_model(target_config, config.block_size, kv_dtype(target_config))
     if config.draft_model is None:
         return layout
     draft_config = load_model_config(config.draft_model)
-    return _with_draft(layout, config.draft_model, draft_config, resolve_dtype(config.dtype, draft_config))
+    return _with_draft(layout, config.draft_model, draft_config, kv_dtype(draft_config))
 
 
 def draft_fingerprint(draft_model: str, config: ModelConfig) -> str:

@@ -1,7 +1,9 @@
 """Attention over a paged KV cache.
 
 A layer's cache is one tensor `kv_layer` [2, num_blocks, block_size, num_kv_heads, head_dim]
-(K then V). A token at position p of a request lives in slot
+(K then V), of the compute dtype or of a narrower `--kv-cache-dtype` (`kv_dtype`): K and V are
+rounded to it as they are written, and read back as the compute dtype, attention itself
+computing as without it. A token at position p of a request lives in slot
 `block_ids[p // block_size] * block_size + p % block_size` of the flattened cache.
 
 A step's flat batch holds the decode group first: requests with the same small number
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvservice.model.cpu_kernels import kernels_loaded, prompt_attention_is_faster
+from kvservice.model.kv_dtype import decode_rows, encode_rows
 
 # Up to this many tokens a fresh prompt's attention is faster in the C++ kernel than in SDPA
 # (SmolLM2, 2 Zen 4 cores: 64 tokens 0.06 vs 0.12 ms a layer, 256: 0.76 vs 1.05, 1,024: 11.3
@@ -72,13 +75,13 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     """Store the step's new keys and values. k, v: [T, Hkv, D], a token's row contiguous (the
     qkv projection's columns in place). On the CPU with the kernels loaded one row copy a
     token (`csrc/decode_layer.cpp`, which the one-call decode layers use too), else two
-    index_copy_ calls."""
+    index_copy_ calls. Either rounds them to the cache's dtype."""
     if kv_layer.device.type == "cpu" and kernels_loaded():
         torch.ops.kvservice.write_kv_(kv_layer, k, v, slot_mapping)
         return
     flat = kv_layer.flatten(1, 2)  # [2, num_blocks * block_size, Hkv, D]
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    flat[0].index_copy_(0, slot_mapping, encode_rows(k, kv_layer.dtype))
+    flat[1].index_copy_(0, slot_mapping, encode_rows(v, kv_layer.dtype))
 
 
 def paged_attention(
@@ -115,8 +118,8 @@ def paged_attention(
             v_s = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
             o = _sdpa(q_s, k_s, v_s, None, True)
         else:
-            k_s = flat[0][span.context_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, Dh]
-            v_s = flat[1][span.context_slots].transpose(0, 1).unsqueeze(0)
+            k_s = decode_rows(flat[0][span.context_slots], q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, Dh]
+            v_s = decode_rows(flat[1][span.context_slots], q.dtype).transpose(0, 1).unsqueeze(0)
             o = _sdpa(q_s, k_s, v_s, span.mask, False)
         out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
     return out
@@ -131,7 +134,7 @@ def _decode_attention(q: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, 
     batch = slots.shape[0]
     num_queries = q.shape[0] // batch
     _, num_heads, head_dim = q.shape
-    kv_ctx = flat[:, slots]  # [2, B, L, Hkv, D]: K and V gathered in one indexing op
+    kv_ctx = decode_rows(flat[:, slots], q.dtype)  # [2, B, L, Hkv, D]: K and V gathered in one indexing op
     k_ctx = kv_ctx[0].permute(0, 2, 3, 1).unsqueeze(2)  # [B, Hkv, 1, D, L]
     v_ctx = kv_ctx[1].transpose(1, 2).unsqueeze(2)  # [B, Hkv, 1, L, D]
     num_kv_heads = k_ctx.shape[1]

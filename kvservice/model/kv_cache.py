@@ -9,6 +9,7 @@ import torch
 
 from kvservice.config import ModelConfig
 from kvservice.core.kv_cache_manager import cdiv
+from kvservice.model.kv_dtype import row_width
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,7 +18,9 @@ class KVCacheLayout:
 
     With a speculative draft model whose KV has the target's geometry, the last
     `num_draft_layers` of `num_layers` are the draft's (`with_draft`): its KV travels on the
-    same pull, and both ends must run the same draft (`draft_fingerprint`)."""
+    same pull, and both ends must run the same draft (`draft_fingerprint`).
+
+    `dtype` is what the cache stores (`--kv-cache-dtype`); `head_dim` the values a row holds."""
 
     num_layers: int
     block_size: int
@@ -32,7 +35,7 @@ class KVCacheLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVCacheLayout.{name} must be a positive int, got {value!r}")
-        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
             raise ValueError(f"unsupported KV dtype {self.dtype}")
         if not 0 <= self.num_draft_layers < self.num_layers:
             raise ValueError(
@@ -72,9 +75,14 @@ class KVCacheLayout:
         return cls(config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim, dtype)
 
     @property
+    def row_width(self) -> int:
+        """Elements of one cache row (a token's values of one KV head) of this dtype."""
+        return row_width(self.dtype, self.head_dim)
+
+    @property
     def bytes_per_block_per_layer(self) -> int:
         """K and V of one block in one layer: the unit of a KV transfer chunk."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.block_size * self.num_kv_heads * self.row_width * self.dtype.itemsize
 
     @property
     def bytes_per_block(self) -> int:
@@ -85,8 +93,8 @@ class KVCacheLayout:
         return cdiv(num_tokens, self.block_size)
 
     def blocks_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
-        """Shape of `num_blocks` blocks of one layer: [2, n, block_size, kv_heads, head_dim]."""
-        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """Shape of `num_blocks` blocks of one layer: [2, n, block_size, kv_heads, row_width]."""
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.row_width)
 
 
 def allocate_kv_caches(layout: KVCacheLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:

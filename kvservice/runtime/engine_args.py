@@ -15,6 +15,7 @@ from kvservice.config import (
     DEFAULT_PROMPT_LOOKUP_MAX,
     DEFAULT_PROMPT_LOOKUP_MIN,
     DEFAULT_STEP_TARGET_MS,
+    KV_CACHE_DTYPES,
     KV_LOAD_FAILURE_POLICIES,
     SERVING_STEP_TARGET_MS,
     SPECULATIVE_METHODS,
@@ -38,6 +39,17 @@ def add_engine_arguments(
             default="auto",
             choices=SUPPORTED_DTYPES,
             help="weights and KV dtype (default: auto, the checkpoint's)",
+        ),
+        group.add_argument(
+            "--kv-cache-dtype",
+            default="auto",
+            choices=KV_CACHE_DTYPES,
+            help="what the KV cache stores: auto, the compute dtype (exact; float32 on the CPU); bfloat16, half of "
+            "float32's bytes (each value rounded to nearest even); int8, about a quarter (8-bit codes with a float32 "
+            "scale per token and KV head). Attention computes in float32 all the same; the cache holds 2x / ~3.8x "
+            "the tokens and transfers, prefix cache and offload tier move that many fewer bytes, for a small "
+            "logprob error (measured in docs/kv_cache_dtype.md). Prefill and decode workers must agree "
+            "(default: auto)",
         ),
         group.add_argument(
             "--max-model-len",
@@ -185,6 +197,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         device=args.device,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
         kv_load_failure_policy=args.kv_load_failure_policy,
         speculative_method=args.speculative_method,

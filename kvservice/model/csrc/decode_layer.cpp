@@ -9,6 +9,7 @@
 //   x        [T, H]   input_layernorm(residual), as the previous layer's call returned it
 //   *_w      each weight's (codes, scales, mins) of kvservice.model.block_quant
 //   kv_layer          [2, num_blocks, block_size, Hkv, D]; this step's K/V are written at slot_mapping
+//                     (the compute dtype, or bfloat16: kv_row.h)
 //   next_kv_layer     the next layer's cache (none for the last): attention starts prefetching its rows
 // returns next_norm(residual): the next layer's input (or the final norm's output).
 //
@@ -23,6 +24,7 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
+#include "kv_row.h"
 #include "ops.h"
 #include "rotary.h"
 #include "thread_pool.h"
@@ -36,14 +38,14 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, const c10::optional<at:
   return kvservice::block_quant_linear(x, w[0], w[1], w[2], bias);
 }
 
-// Checks that kv_layer is a contiguous [2, num_blocks, block_size, Hkv, D] cache of `dtype`
-// with rows of `row` elements, and that every one of the `num_tokens` slots lies in it.
-void check_cache_slots(const at::Tensor& kv_layer, int64_t row, at::ScalarType dtype, const at::Tensor& slot_mapping,
-                       int64_t num_tokens) {
+// Checks that kv_layer is a contiguous [2, num_blocks, block_size, Hkv, D] cache whose rows hold
+// num_kv_heads heads of head_dim values (kv_row.h), and that every one of the `num_tokens` slots lies in it.
+void check_cache_slots(const at::Tensor& kv_layer, int64_t num_kv_heads, int64_t head_dim,
+                       const at::Tensor& slot_mapping, int64_t num_tokens) {
   TORCH_CHECK(kv_layer.is_contiguous() && kv_layer.dim() == 5 && kv_layer.size(0) == 2,
               "kv_layer must be a contiguous [2, num_blocks, block_size, Hkv, D] tensor");
-  TORCH_CHECK(kv_layer.size(3) * kv_layer.size(4) == row && kv_layer.scalar_type() == dtype,
-              "the K and V rows must match kv_layer's dtype and [Hkv, D]");
+  TORCH_CHECK(kv_layer.size(3) == num_kv_heads && kv_layer.size(4) == kvservice::row_width(kv_layer.scalar_type(), head_dim),
+              "the K and V rows must match kv_layer's [Hkv, D]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == num_tokens,
               "slot_mapping must be a contiguous int64 tensor, a slot per token");
   const int64_t num_slots = kv_layer.size(1) * kv_layer.size(2);
@@ -58,30 +60,35 @@ void check_cache_slots(const at::Tensor& kv_layer, int64_t row, at::ScalarType d
 namespace kvservice {
 
 // A step's new K and V rows ([T, Hkv, D] each, a token's row contiguous, any token stride: the
-// qkv projection's columns in place) into the cache rows at slot_mapping, a row copy each. What
-// two index_copy_ calls do, without their ~9 us a layer (16 requests; SmolLM2's 30 layers:
-// ~0.25 ms of a step). Every slot is checked before anything is written.
+// qkv projection's columns in place) into the cache rows at slot_mapping: a row copy each where
+// the cache has their dtype, else each value rounded to the cache's (kv_row.h). What two
+// index_copy_ calls do, without their ~9 us a layer (16 requests; SmolLM2's 30 layers: ~0.25 ms
+// of a step). Every slot is checked before anything is written.
 void write_kv_(at::Tensor kv_layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
   const int64_t num_tokens = slot_mapping.numel();
   TORCH_CHECK(kv_layer.dim() == 5, "kv_layer must be a contiguous [2, num_blocks, block_size, Hkv, D] tensor");
-  const int64_t row = kv_layer.size(3) * kv_layer.size(4);
+  const int64_t num_kv_heads = k.dim() == 3 ? k.size(1) : 0, head_dim = k.dim() == 3 ? k.size(2) : 0;
   for (const at::Tensor* t : {&k, &v}) {
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == num_tokens && t->size(1) * t->size(2) == row &&
-                    t->stride(2) == 1 && t->stride(1) == t->size(2) && t->scalar_type() == kv_layer.scalar_type(),
-                "k and v must be [T, Hkv, D] of kv_layer's dtype and shape, each token's row contiguous");
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == num_tokens && t->size(1) == num_kv_heads && t->size(2) == head_dim &&
+                    t->stride(2) == 1 && t->stride(1) == t->size(2) && t->scalar_type() == k.scalar_type(),
+                "k and v must be [T, Hkv, D] of one dtype and kv_layer's shape, each token's row contiguous");
   }
-  check_cache_slots(kv_layer, row, k.scalar_type(), slot_mapping, num_tokens);
-  const int64_t num_slots = kv_layer.size(1) * kv_layer.size(2), item = kv_layer.element_size();
-  const int64_t row_bytes = row * item;
+  check_cache_slots(kv_layer, num_kv_heads, head_dim, slot_mapping, num_tokens);
+  const int64_t num_slots = kv_layer.size(1) * kv_layer.size(2), token_row = kv_layer.size(3) * kv_layer.size(4);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const char* k_src = static_cast<const char*>(k.data_ptr());
-  const char* v_src = static_cast<const char*>(v.data_ptr());
-  char* keys = static_cast<char*>(kv_layer.data_ptr());
-  char* values = keys + num_slots * row_bytes;
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    std::memcpy(keys + slots[t] * row_bytes, k_src + t * k.stride(0) * item, row_bytes);
-    std::memcpy(values + slots[t] * row_bytes, v_src + t * v.stride(0) * item, row_bytes);
-  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_", [&] {
+    const scalar_t* k_src = k.data_ptr<scalar_t>();
+    const scalar_t* v_src = v.data_ptr<scalar_t>();
+    kvservice::visit_kv_type<scalar_t>(kv_layer.scalar_type(), [&](auto kv_tag) {
+      using kv_t = std::remove_cv_t<std::remove_pointer_t<decltype(kv_tag)>>;
+      kv_t* keys = static_cast<kv_t*>(kv_layer.data_ptr());
+      kv_t* values = keys + num_slots * token_row;
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        kvservice::store_token(keys + slots[t] * token_row, k_src + t * k.stride(0), num_kv_heads, head_dim);
+        kvservice::store_token(values + slots[t] * token_row, v_src + t * v.stride(0), num_kv_heads, head_dim);
+      }
+    });
+  });
 }
 
 }  // namespace kvservice
@@ -100,29 +107,31 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& positions, c
   const int64_t num_tokens = qkv.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   kvservice::check_rotary_args(qkv, positions, cos_table, sin_table, num_heads + num_kv_heads, head_dim);
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "qkv must be [T, (Hq + 2 Hkv) * D]");
-  check_cache_slots(kv_layer, kv_size, qkv.scalar_type(), slot_mapping, num_tokens);
+  check_cache_slots(kv_layer, num_kv_heads, head_dim, slot_mapping, num_tokens);
   auto q = at::empty({num_tokens, num_heads, head_dim}, qkv.options());
-  const int64_t item = qkv.element_size(), q_bytes = q_size * item, row_bytes = kv_size * item;
-  const int64_t num_slots = kv_layer.size(1) * kv_layer.size(2), row_stride = qkv.stride(0);
+  const int64_t num_slots = kv_layer.size(1) * kv_layer.size(2), token_row = kv_layer.size(3) * kv_layer.size(4);
+  const int64_t row_stride = qkv.stride(0);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* cos_ptr = cos_table.data_ptr<float>();
   const float* sin_ptr = sin_table.data_ptr<float>();
-  char* keys = static_cast<char*>(kv_layer.data_ptr());
-  char* values = keys + num_slots * row_bytes;
-  char* q_out = static_cast<char*>(q.data_ptr());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_write_kv", [&] {
     scalar_t* base = qkv.data_ptr<scalar_t>();
-    kvservice::parallel_for(num_tokens, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        scalar_t* row = base + t * row_stride;
-        kvservice::rotate_heads(row, cos_ptr + pos[t] * head_dim, sin_ptr + pos[t] * head_dim, num_heads + num_kv_heads,
-                                head_dim);
-        const char* bytes = reinterpret_cast<const char*>(row);
-        std::memcpy(q_out + t * q_bytes, bytes, q_bytes);
-        std::memcpy(keys + slots[t] * row_bytes, bytes + q_bytes, row_bytes);
-        std::memcpy(values + slots[t] * row_bytes, bytes + q_bytes + row_bytes, row_bytes);
-      }
+    scalar_t* q_out = q.data_ptr<scalar_t>();
+    kvservice::visit_kv_type<scalar_t>(kv_layer.scalar_type(), [&](auto kv_tag) {
+      using kv_t = std::remove_cv_t<std::remove_pointer_t<decltype(kv_tag)>>;
+      kv_t* keys = static_cast<kv_t*>(kv_layer.data_ptr());
+      kv_t* values = keys + num_slots * token_row;
+      kvservice::parallel_for(num_tokens, 4, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          scalar_t* row = base + t * row_stride;
+          kvservice::rotate_heads(row, cos_ptr + pos[t] * head_dim, sin_ptr + pos[t] * head_dim,
+                                  num_heads + num_kv_heads, head_dim);
+          std::memcpy(q_out + t * q_size, row, q_size * sizeof(scalar_t));
+          kvservice::store_token(keys + slots[t] * token_row, row + q_size, num_kv_heads, head_dim);
+          kvservice::store_token(values + slots[t] * token_row, row + q_size + kv_size, num_kv_heads, head_dim);
+        }
+      });
     });
   });
   return q;

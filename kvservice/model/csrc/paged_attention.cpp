@@ -4,7 +4,8 @@
 // builds it on first use and falls back to PyTorch when the build fails.
 //
 // q:           [B * Q, Hq, D]   B requests of Q queries each (request-major)
-// kv_layer:    [2, num_blocks, block_size, Hkv, D]   K then V, contiguous
+// kv_layer:    [2, num_blocks, block_size, Hkv, D]   K then V, contiguous: q's dtype, or a
+//              narrower one (--kv-cache-dtype, kv_row.h) read as float32 on the fly
 // block_table: [B, max_blocks] int64
 // starts:      [B] int64   position of each request's first query; query i of
 //                          request b sees keys at positions <= starts[b] + i
@@ -15,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kv_row.h"
 #include "ops.h"
 
 #include "thread_pool.h"
@@ -76,7 +78,7 @@ class BlockLines {
   int64_t block_bytes_ = 0, lines_per_block_ = 1, next_ = 0, end_ = 0;
 };
 
-// Each request's K and V blocks in one layer's float32 cache, as BlockLines to prefetch.
+// Each request's K and V blocks in one layer's cache, as BlockLines to prefetch.
 struct RequestBlocks {
   const char* k_base;  // the layer's [2, num_blocks, block_size, Hkv, D] tensor
   int64_t v_offset_bytes, block_bytes, block_size, num_queries, max_blocks;
@@ -135,13 +137,17 @@ class LineStream {
 
 #if defined(__AVX2__) && defined(__FMA__)
 using kvservice::exp_nonpositive;
+using kvservice::load8;
 #endif
 #if defined(__AVX512F__)
 using kvservice::exp_nonpositive16;
+using kvservice::load16;
 #endif
 
-template <typename scalar_t>
-void decode_one(const scalar_t* q, const scalar_t* kv, const int64_t* table, int64_t start, int64_t num_queries,
+using kvservice::scaled;
+
+template <typename scalar_t, typename kv_t>
+void decode_one(const scalar_t* q, const kv_t* kv, const int64_t* table, int64_t start, int64_t num_queries,
                 int64_t group, int64_t head, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                 int64_t block_size, int64_t v_offset, float scale, scalar_t* out, std::vector<float>& scores,
                 std::vector<float>& qf, std::vector<float>& acc) {
@@ -158,10 +164,11 @@ void decode_one(const scalar_t* q, const scalar_t* kv, const int64_t* table, int
       for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
     }
   }
-  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t kv_row = kvservice::row_width<kv_t>(head_dim);
+  const int64_t token_stride = num_kv_heads * kv_row;
   for (int64_t p = 0; p < context; ++p) {
     const int64_t slot = table[p / block_size] * block_size + p % block_size;
-    const scalar_t* k = kv + slot * token_stride + head * head_dim;
+    const kv_t* k = kv + slot * token_stride + head * kv_row;
     const int64_t first = std::max<int64_t>(0, p - start);  // queries before it cannot see p
     for (int64_t g = 0; g < group; ++g) {
       for (int64_t i = first; i < num_queries; ++i) {
@@ -169,7 +176,7 @@ void decode_one(const scalar_t* q, const scalar_t* kv, const int64_t* table, int
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * static_cast<float>(k[d]);
-        scores[(g * num_queries + i) * context + p] = dot;
+        scores[(g * num_queries + i) * context + p] = scaled(dot, k, head_dim);
       }
     }
   }
@@ -189,10 +196,10 @@ void decode_one(const scalar_t* q, const scalar_t* kv, const int64_t* table, int
   }
   for (int64_t p = 0; p < context; ++p) {
     const int64_t slot = table[p / block_size] * block_size + p % block_size;
-    const scalar_t* v = kv + v_offset + slot * token_stride + head * head_dim;
+    const kv_t* v = kv + v_offset + slot * token_stride + head * kv_row;
     for (int64_t r = 0; r < rows; ++r) {
-      const float w = scores[r * context + p];
-      if (w == 0.f) continue;
+      if (scores[r * context + p] == 0.f) continue;
+      const float w = scaled(scores[r * context + p], v, head_dim);
       float* a = acc.data() + r * head_dim;
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) a[d] += w * static_cast<float>(v[d]);
@@ -215,18 +222,23 @@ inline __m256 sum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-// One query row's scores against keys[p0, p0 + 8) (each `offset` floats into its row): 8 dot
+// One query row's scores against keys[p0, p0 + 8) (each `offset` elements into its row): 8 dot
 // products reduced together, the keys past `visible` -inf.
-template <int D8>
-inline __m256 score_tile_avx2(const __m256* qv, const float* const* keys, int64_t offset, int64_t p0, int64_t visible) {
+template <int D8, typename kv_t>
+inline __m256 score_tile_avx2(const __m256* qv, const kv_t* const* keys, int64_t offset, int64_t p0, int64_t visible) {
   __m256 acc[8];
   for (int j = 0; j < 8; ++j) {
-    const float* k = keys[p0 + j] + offset;
-    __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
-    for (int d = 1; d < D8; ++d) a = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k + 8 * d), a);
+    const kv_t* k = keys[p0 + j] + offset;
+    __m256 a = _mm256_mul_ps(qv[0], load8(k));
+    for (int d = 1; d < D8; ++d) a = _mm256_fmadd_ps(qv[d], load8(k + 8 * d), a);
     acc[j] = a;
   }
-  const __m256 s = sum8x8(acc);
+  __m256 s = sum8x8(acc);
+  if constexpr (kvservice::kScaledRows<kv_t>) {
+    float row_scales[8];
+    for (int j = 0; j < 8; ++j) row_scales[j] = scaled(1.f, keys[p0 + j] + offset, 8 * D8);
+    s = _mm256_mul_ps(s, _mm256_loadu_ps(row_scales));
+  }
   if (p0 + 8 <= visible) return s;
   const __m256 position = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(p0)), _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
   return _mm256_blendv_ps(s, _mm256_set1_ps(-std::numeric_limits<float>::infinity()),
@@ -253,25 +265,25 @@ inline float softmax_numerators_avx2(float* row, int64_t visible) {
   return total;
 }
 
-// decode_one for float32 and head_dim = 8 * D8, in AVX2 registers. The scores of a row come 8
+// decode_one for float32 queries over a cache of kv_t, head_dim = 8 * D8, in AVX2 registers. The scores of a row come 8
 // keys at a time (8 dot products reduced together), the softmax's exponentials 8 at a time, and
 // each output row stays in registers while it walks the values (~3x the row-at-a-time loop).
 // Query heads [g_begin, g_end) of the group: one task per query head spreads a small batch
 // over the threads evenly (SmolLM2: 9 query heads, 3 KV heads, 2 threads).
-template <int D8>
-void decode_one_avx2(const float* q, const float* kv, const int64_t* table, int64_t start, int64_t num_queries,
+template <int D8, typename kv_t>
+void decode_one_avx2(const float* q, const kv_t* kv, const int64_t* table, int64_t start, int64_t num_queries,
                      int64_t group, int64_t g_begin, int64_t g_end, int64_t head, int64_t num_heads,
                      int64_t num_kv_heads, int64_t block_size, int64_t v_offset, float scale, float* out,
-                     std::vector<float>& scores, std::vector<const float*>& keys, BlockLines& next_k,
+                     std::vector<float>& scores, std::vector<const kv_t*>& keys, BlockLines& next_k,
                      BlockLines& next_v) {
-  constexpr int64_t head_dim = 8 * D8;
+  constexpr int64_t head_dim = 8 * D8, kv_row = kvservice::row_width<kv_t>(head_dim);
   const int64_t context = start + num_queries;
   const int64_t padded = (context + 7) / 8 * 8;
-  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t token_stride = num_kv_heads * kv_row;
   keys.resize(padded);
   for (int64_t p = 0; p < padded; ++p) {  // past the context: the last key again, masked below
     const int64_t at = std::min(p, context - 1);
-    keys[p] = kv + (table[at / block_size] * block_size + at % block_size) * token_stride + head * head_dim;
+    keys[p] = kv + (table[at / block_size] * block_size + at % block_size) * token_stride + head * kv_row;
   }
   scores.resize(padded);
   for (int64_t i = 0; i < num_queries; ++i) {
@@ -283,7 +295,7 @@ void decode_one_avx2(const float* q, const float* kv, const int64_t* table, int6
       const int64_t next_k_per_group = (next_k.size() * 8 + visible + 7) / (visible + 7);
       for (int64_t p0 = 0; p0 < visible; p0 += 8) {
         next_k.issue(next_k_per_group);
-        _mm256_storeu_ps(scores.data() + p0, score_tile_avx2<D8>(qv, keys.data(), 0, p0, visible));
+        _mm256_storeu_ps(scores.data() + p0, score_tile_avx2<D8, kv_t>(qv, keys.data(), 0, p0, visible));
       }
       const float total = softmax_numerators_avx2(scores.data(), visible);
       __m256 acc[D8];
@@ -291,9 +303,9 @@ void decode_one_avx2(const float* q, const float* kv, const int64_t* table, int6
       const int64_t next_v_per_row = (next_v.size() + visible - 1) / visible;
       for (int64_t p = 0; p < visible; ++p) {
         next_v.issue(next_v_per_row);
-        const float* v = keys[p] + v_offset;
-        const __m256 w = _mm256_set1_ps(scores[p]);
-        for (int d = 0; d < D8; ++d) acc[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * d), acc[d]);
+        const kv_t* v = keys[p] + v_offset;
+        const __m256 w = _mm256_set1_ps(scaled(scores[p], v, head_dim));
+        for (int d = 0; d < D8; ++d) acc[d] = _mm256_fmadd_ps(w, load8(v + 8 * d), acc[d]);
       }
       const __m256 inv = _mm256_set1_ps(1.f / total);
       for (int d = 0; d < D8; ++d) _mm256_storeu_ps(out + row * head_dim + 8 * d, _mm256_mul_ps(acc[d], inv));
@@ -310,15 +322,15 @@ void decode_one_avx2(const float* q, const float* kv, const int64_t* table, int6
 // `scores` between tiles), and `ahead` prefetched a fixed distance ahead of the reads. A task
 // per query head read each head's third of every row three times, and prefetched the next
 // request's rows a whole request ahead: more than a Zen 3 core's 512 KB L2 with this one's.
-template <int D8>
-void decode_request_avx2(const float* q, const float* kv, const int64_t* table, int64_t start, int64_t num_queries,
+template <int D8, typename kv_t>
+void decode_request_avx2(const float* q, const kv_t* kv, const int64_t* table, int64_t start, int64_t num_queries,
                          int64_t group, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t v_offset,
-                         float scale, float* out, std::vector<float>& scores, std::vector<const float*>& tokens,
+                         float scale, float* out, std::vector<float>& scores, std::vector<const kv_t*>& tokens,
                          LineStream& ahead) {
-  constexpr int64_t head_dim = 8 * D8;
+  constexpr int64_t head_dim = 8 * D8, kv_row = kvservice::row_width<kv_t>(head_dim);
   const int64_t context = start + num_queries;
   const int64_t padded = (context + 15) / 16 * 16;
-  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t token_stride = num_kv_heads * kv_row;
   const int64_t rows = num_queries * num_heads;  // row = i * num_heads + h * group + g, as out's
   tokens.resize(padded);
   for (int64_t p = 0; p < padded; ++p) {  // past the context: the last token again, masked
@@ -328,7 +340,7 @@ void decode_request_avx2(const float* q, const float* kv, const int64_t* table, 
   scores.resize(rows * padded + rows + rows * head_dim);
   float* total = scores.data() + rows * padded;
   float* sums = total + rows;  // the value rows' sums between tiles
-  const int64_t tile_lines = 8 * token_stride * static_cast<int64_t>(sizeof(float)) / BlockLines::kLine;
+  const int64_t tile_lines = 8 * token_stride * static_cast<int64_t>(sizeof(kv_t)) / BlockLines::kLine;
   const int64_t k_per_row = (tile_lines + rows - 1) / rows;
   ahead.issue(LineStream::kAheadLines);
   for (int64_t p0 = 0; p0 < context; p0 += 8) {
@@ -339,7 +351,7 @@ void decode_request_avx2(const float* q, const float* kv, const int64_t* table, 
       if (p0 >= visible) continue;
       __m256 qv[D8];
       for (int d = 0; d < D8; ++d) qv[d] = _mm256_mul_ps(_mm256_loadu_ps(q + row * head_dim + 8 * d), _mm256_set1_ps(scale));
-      _mm256_storeu_ps(scores.data() + row * padded + p0, score_tile_avx2<D8>(qv, tokens.data(), head * head_dim, p0, visible));
+      _mm256_storeu_ps(scores.data() + row * padded + p0, score_tile_avx2<D8, kv_t>(qv, tokens.data(), head * kv_row, p0, visible));
     }
   }
   for (int64_t row = 0; row < rows; ++row) {  // softmax numerators in place
@@ -351,14 +363,14 @@ void decode_request_avx2(const float* q, const float* kv, const int64_t* table, 
       const int64_t visible = start + row / num_heads + 1;
       const int64_t p1 = std::min(p0 + 16, visible);
       const float* w_row = scores.data() + row * padded;
-      const int64_t v_head = v_offset + row % num_heads / group * head_dim;
+      const int64_t v_head = v_offset + row % num_heads / group * kv_row;
       __m256 acc[D8];
       for (int d = 0; d < D8; ++d) acc[d] = p0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + row * head_dim + 8 * d);
       for (int64_t p = p0; p < p1; ++p) {
         ahead.issue(v_per_token);
-        const float* v = tokens[p] + v_head;
-        const __m256 w = _mm256_set1_ps(w_row[p]);
-        for (int d = 0; d < D8; ++d) acc[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * d), acc[d]);
+        const kv_t* v = tokens[p] + v_head;
+        const __m256 w = _mm256_set1_ps(scaled(w_row[p], v, head_dim));
+        for (int d = 0; d < D8; ++d) acc[d] = _mm256_fmadd_ps(w, load8(v + 8 * d), acc[d]);
       }
       if (p0 + 16 < visible) {
         for (int d = 0; d < D8; ++d) _mm256_storeu_ps(sums + row * head_dim + 8 * d, acc[d]);
@@ -387,7 +399,7 @@ inline __m512 sum16x16(const __m512* a) {
 }
 
 // One request: KV heads [h_begin, h_end) and, of each, query heads [g_begin, g_end), for every
-// query; float32, head_dim = 16 * D16, in AVX-512 registers. Decode attention streams the whole
+// query; float32 queries over a cache of kv_t, head_dim = 16 * D16, in AVX-512 registers. Decode attention streams the whole
 // cache once a step, so the memory traffic decides its time: the scores walk the keys once for
 // all the heads (a token's K row, every head, is contiguous), and 16 keys' dot products are
 // reduced together; the values go a tile of 16 tokens at a time too, every head's rows taking
@@ -401,23 +413,23 @@ inline __m512 sum16x16(const __m512* a) {
 // time). SmolLM2, 2 Zen 5 threads: 16 requests of 320 tokens, 30 layers, blocks in order, from
 // DRAM 7.0 -> 5.6 ms (31 -> 41 GB/s; 74 is what a plain sum reads); in-process decode steps of
 // 16 requests 19.2-19.3 -> 17.3-17.8 ms. Every output the same to the bit.
-template <int D16>
-void decode_group_avx512(const float* q, const float* kv, const int64_t* table, int64_t start, int64_t num_queries,
+template <int D16, typename kv_t>
+void decode_group_avx512(const float* q, const kv_t* kv, const int64_t* table, int64_t start, int64_t num_queries,
                          int64_t group, int64_t h_begin, int64_t h_end, int64_t g_begin, int64_t g_end,
                          int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t v_offset, float scale,
-                         float* out, std::vector<float>& scores, std::vector<const float*>& tokens, LineStream& ahead) {
-  constexpr int64_t head_dim = 16 * D16;
+                         float* out, std::vector<float>& scores, std::vector<const kv_t*>& tokens, LineStream& ahead) {
+  constexpr int64_t head_dim = 16 * D16, kv_row = kvservice::row_width<kv_t>(head_dim);
   constexpr int64_t kRows = 16 / D16;
   const int64_t context = start + num_queries;
   const int64_t padded = (context + 15) / 16 * 16;
-  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t token_stride = num_kv_heads * kv_row;
   const int64_t heads = g_end - g_begin;
   const int64_t rows_per_head = heads * num_queries;  // row = (h - h_begin) * rows_per_head + i * heads + g - g_begin
   const int64_t rows = (h_end - h_begin) * rows_per_head;
   tokens.resize(padded);
   for (int64_t p = 0; p < padded; ++p) {  // past the context: the last token again, masked
     const int64_t at = std::min(p, context - 1);
-    tokens[p] = kv + (table[at / block_size] * block_size + at % block_size) * token_stride + h_begin * head_dim;
+    tokens[p] = kv + (table[at / block_size] * block_size + at % block_size) * token_stride + h_begin * kv_row;
   }
   scores.resize(rows * padded + rows + rows * head_dim);
   float* inv_total = scores.data() + rows * padded;
@@ -425,13 +437,13 @@ void decode_group_avx512(const float* q, const float* kv, const int64_t* table, 
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   // The stream's lines a tile of 16 tokens holds (K or V), issued in even shares over its loops.
-  const int64_t tile_lines = 16 * token_stride * static_cast<int64_t>(sizeof(float)) / BlockLines::kLine;
+  const int64_t tile_lines = 16 * token_stride * static_cast<int64_t>(sizeof(kv_t)) / BlockLines::kLine;
   const int64_t score_steps = (h_end - h_begin) * num_queries * heads;
   const int64_t k_per_step = (tile_lines + score_steps - 1) / score_steps;
   ahead.issue(LineStream::kAheadLines);
   for (int64_t p0 = 0; p0 < context; p0 += 16) {
     for (int64_t h = h_begin; h < h_end; ++h) {
-      const int64_t h_offset = (h - h_begin) * head_dim;
+      const int64_t h_offset = (h - h_begin) * kv_row;
       for (int64_t i = 0; i < num_queries; ++i) {
         const int64_t visible = start + i + 1;  // query i sees keys at positions <= start + i
         for (int64_t g = g_begin; g < g_end; ++g) {
@@ -441,12 +453,17 @@ void decode_group_avx512(const float* q, const float* kv, const int64_t* table, 
           for (int d = 0; d < D16; ++d) qv[d] = _mm512_mul_ps(_mm512_loadu_ps(q_row + 16 * d), _mm512_set1_ps(scale));
           __m512 acc[16];
           for (int j = 0; j < 16; ++j) {
-            const float* k = tokens[p0 + j] + h_offset;
-            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-            for (int d = 1; d < D16; ++d) a = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(k + 16 * d), a);
+            const kv_t* k = tokens[p0 + j] + h_offset;
+            __m512 a = _mm512_mul_ps(qv[0], load16(k));
+            for (int d = 1; d < D16; ++d) a = _mm512_fmadd_ps(qv[d], load16(k + 16 * d), a);
             acc[j] = a;
           }
           __m512 s = sum16x16(acc);
+          if constexpr (kvservice::kScaledRows<kv_t>) {
+            float row_scales[16];
+            for (int j = 0; j < 16; ++j) row_scales[j] = scaled(1.f, tokens[p0 + j] + h_offset, head_dim);
+            s = _mm512_mul_ps(s, _mm512_loadu_ps(row_scales));
+          }
           if (p0 + 16 > visible) {  // keys past this query's last: -inf
             const __m512 position = _mm512_add_ps(_mm512_set1_ps(static_cast<float>(p0)), lane);
             s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(position, _mm512_set1_ps(static_cast<float>(visible)), _CMP_GE_OQ), s, minus_inf);
@@ -476,18 +493,18 @@ void decode_group_avx512(const float* q, const float* kv, const int64_t* table, 
     const int64_t p1 = std::min(p0 + 16, context);
     for (int64_t r0 = 0, n = 0; r0 < rows; r0 += n) {
       n = std::min(kRows, rows_per_head - r0 % rows_per_head);
-      const int64_t h_offset = r0 / rows_per_head * head_dim;
+      const int64_t h_offset = r0 / rows_per_head * kv_row;
       __m512 acc[kRows][D16];
       for (int64_t r = 0; r < kRows; ++r)
         for (int d = 0; d < D16; ++d)
           acc[r][d] = p0 == 0 || r >= n ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + (r0 + r) * head_dim + 16 * d);
       for (int64_t p = p0; p < p1; ++p) {
         ahead.issue(v_per_token);
-        const float* v = tokens[p] + v_offset + h_offset;
+        const kv_t* v = tokens[p] + v_offset + h_offset;
         __m512 vv[D16];
-        for (int d = 0; d < D16; ++d) vv[d] = _mm512_loadu_ps(v + 16 * d);
+        for (int d = 0; d < D16; ++d) vv[d] = load16(v + 16 * d);
         for (int64_t r = 0; r < n; ++r) {
-          const __m512 w = _mm512_set1_ps(scores[(r0 + r) * padded + p]);
+          const __m512 w = _mm512_set1_ps(scaled(scores[(r0 + r) * padded + p], v, head_dim));
           for (int d = 0; d < D16; ++d) acc[r][d] = _mm512_fmadd_ps(w, vv[d], acc[r][d]);
         }
       }
@@ -516,7 +533,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B * Q, Hq, D] tensor");
   TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(0) == 2 && kv_layer.is_contiguous(),
               "kv_layer must be a contiguous [2, num_blocks, block_size, Hkv, D] tensor");
-  TORCH_CHECK(kv_layer.scalar_type() == q.scalar_type(), "q and kv_layer must share a dtype");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2,
               "block_table must be a contiguous [B, max_blocks] int64 tensor");
   TORCH_CHECK(starts.scalar_type() == at::kLong && starts.is_contiguous() && starts.dim() == 1,
@@ -525,7 +541,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
   TORCH_CHECK(starts.size(0) == batch && q.size(0) == batch * num_queries, "q, block_table and starts disagree on B");
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = kv_layer.size(2), num_kv_heads = kv_layer.size(3);
-  TORCH_CHECK(kv_layer.size(4) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
+  TORCH_CHECK(kv_layer.size(4) == kvservice::row_width(kv_layer.scalar_type(), head_dim) && num_heads % num_kv_heads == 0,
+              "head shapes disagree");
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_table.size(1);
   const int64_t* table = block_table.data_ptr<int64_t>();
@@ -545,7 +562,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
                             next_kv_layer->scalar_type() == kv_layer.scalar_type()),
               "next_kv_layer must be a contiguous tensor of kv_layer's shape and dtype");
   const int64_t v_offset_bytes = v_offset * kv_layer.element_size();
-  const int64_t block_bytes = block_size * num_kv_heads * head_dim * kv_layer.element_size();
+  const int64_t block_bytes = kv_layer.stride(1) * kv_layer.element_size();
   const RequestBlocks this_layer{static_cast<const char*>(kv_layer.data_ptr()), v_offset_bytes, block_bytes, block_size,
                                  num_queries, max_blocks, table, start_ptr};
   RequestBlocks next_layer = this_layer;
@@ -553,98 +570,106 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_laye
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-    const scalar_t* kv_ptr = kv_layer.data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    kvservice::visit_kv_type<scalar_t>(kv_layer.scalar_type(), [&](auto kv_tag) {
+      using kv_t = std::remove_cv_t<std::remove_pointer_t<decltype(kv_tag)>>;
+      const kv_t* kv_ptr = static_cast<const kv_t*>(kv_layer.data_ptr());
 #if defined(__AVX512F__)
-    // The casts are no-ops: this branch runs for float32 only (a plain `if`: the lambda is no template).
-    if (std::is_same_v<scalar_t, float> && (head_dim == 64 || head_dim == 128)) {
-      auto* kernel = head_dim == 64 ? &decode_group_avx512<4> : &decode_group_avx512<8>;
-      // A task per request (its cache rows read whole), or, when that leaves the threads too few
-      // tasks to share evenly, per KV head and slice of its query heads (batch 1 of SmolLM2:
-      // 3 KV heads, 2 threads -> 9 tasks of one query head).
-      const int64_t threads = at::get_num_threads();
-      const bool whole = batch >= 4 * threads;
-      const int64_t splits = whole ? 1 : std::min<int64_t>(group, (4 * threads + batch * num_kv_heads - 1) / (batch * num_kv_heads));
-      const int64_t per_request = whole ? 1 : num_kv_heads * splits;
-      auto run = [&](int64_t task, LineStream& ahead, std::vector<float>& scores, std::vector<const float*>& tokens) {
-        const int64_t b = task / per_request, h = whole ? 0 : task / splits % num_kv_heads, s = task % splits;
-        const int64_t offset = b * num_queries * num_heads * head_dim;
-        kernel(reinterpret_cast<const float*>(q_ptr + offset), reinterpret_cast<const float*>(kv_ptr),
-               table + b * max_blocks, start_ptr[b], num_queries, group, h, whole ? num_kv_heads : h + 1,
-               group * s / splits, group * (s + 1) / splits, num_heads, num_kv_heads, block_size, v_offset,
-               static_cast<float>(scale), reinterpret_cast<float*>(out_ptr + offset), scores, tokens, ahead);
-      };
-      if (whole) {
-        // Requests, balanced: a thread whose requests run slower hands its last ones over (14
-        // requests in halves: the threads finished ~30 us apart a layer, SmolLM2), each task
-        // prefetching its rows and the next ones (request_stream).
-        kvservice::parallel_for_balanced(batch, [&](int64_t b, int64_t next, int64_t first) {
-          thread_local std::vector<float> scores;
-          thread_local std::vector<const float*> tokens;
-          LineStream ahead = request_stream(this_layer, has_next ? &next_layer : nullptr, b, next, first);
-          run(b, ahead, scores, tokens);
-        });
-        return;
-      }
-      kvservice::parallel_for(batch * per_request, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores;
-        std::vector<const float*> tokens;
-        LineStream none;  // a task reads one KV head's rows: nothing to prefetch
-        for (int64_t task = begin; task < end; ++task) run(task, none, scores, tokens);
-      });
-      return;
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    // The casts are no-ops: this branch runs for float32 only (a plain `if`: the lambda is no template).
-    if (std::is_same_v<scalar_t, float> && (head_dim == 64 || head_dim == 128)) {
-      const int64_t threads = at::get_num_threads();
-      if (batch >= 4 * threads) {
-        // Requests, balanced as the AVX-512 path's, each prefetching its rows, then the next one's.
-        auto* request_kernel = head_dim == 64 ? &decode_request_avx2<8> : &decode_request_avx2<16>;
-        kvservice::parallel_for_balanced(batch, [&](int64_t b, int64_t next, int64_t first) {
-          thread_local std::vector<float> scores;
-          thread_local std::vector<const float*> tokens;
-          LineStream ahead = request_stream(this_layer, has_next ? &next_layer : nullptr, b, next, first);
-          const int64_t offset = b * num_queries * num_heads * head_dim;
-          request_kernel(reinterpret_cast<const float*>(q_ptr + offset), reinterpret_cast<const float*>(kv_ptr),
-                         table + b * max_blocks, start_ptr[b], num_queries, group, num_heads, num_kv_heads, block_size,
-                         v_offset, static_cast<float>(scale), reinterpret_cast<float*>(out_ptr + offset), scores, tokens,
-                         ahead);
-        });
-        return;
-      }
-      // Small batches: a task per query head, so both threads have work.
-      auto* kernel = head_dim == 64 ? &decode_one_avx2<8> : &decode_one_avx2<16>;
-      kvservice::parallel_for(batch * num_heads, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores;
-        std::vector<const float*> keys;
-        for (int64_t task = begin; task < end; ++task) {
-          const int64_t b = task / num_heads, h = task % num_heads / group, g = task % group;
-          const int64_t offset = b * num_queries * num_heads * head_dim;
-          // The next request this thread computes, its rows prefetched a share a task.
-          BlockLines next_k, next_v;
-          if ((b + 1) * num_heads < end) {
-            next_k = this_layer.lines(b + 1, false, task % num_heads, num_heads);
-            next_v = this_layer.lines(b + 1, true, task % num_heads, num_heads);
+      // The casts are no-ops: this branch is for float32 queries only (over float32, bfloat16 or int8 rows).
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (head_dim == 64 || head_dim == 128) {
+          auto* kernel = head_dim == 64 ? &decode_group_avx512<4, kv_t> : &decode_group_avx512<8, kv_t>;
+          // A task per request (its cache rows read whole), or, when that leaves the threads too few
+          // tasks to share evenly, per KV head and slice of its query heads (batch 1 of SmolLM2:
+          // 3 KV heads, 2 threads -> 9 tasks of one query head).
+          const int64_t threads = at::get_num_threads();
+          const bool whole = batch >= 4 * threads;
+          const int64_t splits =
+              whole ? 1 : std::min<int64_t>(group, (4 * threads + batch * num_kv_heads - 1) / (batch * num_kv_heads));
+          const int64_t per_request = whole ? 1 : num_kv_heads * splits;
+          auto run = [&](int64_t task, LineStream& ahead, std::vector<float>& scores, std::vector<const kv_t*>& tokens) {
+            const int64_t b = task / per_request, h = whole ? 0 : task / splits % num_kv_heads, s = task % splits;
+            const int64_t offset = b * num_queries * num_heads * head_dim;
+            kernel(reinterpret_cast<const float*>(q_ptr + offset), kv_ptr, table + b * max_blocks, start_ptr[b],
+                   num_queries, group, h, whole ? num_kv_heads : h + 1, group * s / splits, group * (s + 1) / splits,
+                   num_heads, num_kv_heads, block_size, v_offset, static_cast<float>(scale),
+                   reinterpret_cast<float*>(out_ptr + offset), scores, tokens, ahead);
+          };
+          if (whole) {
+            // Requests, balanced: a thread whose requests run slower hands its last ones over (14
+            // requests in halves: the threads finished ~30 us apart a layer, SmolLM2), each task
+            // prefetching its rows and the next ones (request_stream).
+            kvservice::parallel_for_balanced(batch, [&](int64_t b, int64_t next, int64_t first) {
+              thread_local std::vector<float> scores;
+              thread_local std::vector<const kv_t*> tokens;
+              LineStream ahead = request_stream(this_layer, has_next ? &next_layer : nullptr, b, next, first);
+              run(b, ahead, scores, tokens);
+            });
+            return;
           }
-          kernel(reinterpret_cast<const float*>(q_ptr + offset), reinterpret_cast<const float*>(kv_ptr),
-                 table + b * max_blocks, start_ptr[b], num_queries, group, g, g + 1, h, num_heads, num_kv_heads,
-                 block_size, v_offset, static_cast<float>(scale), reinterpret_cast<float*>(out_ptr + offset), scores,
-                 keys, next_k, next_v);
+          kvservice::parallel_for(batch * per_request, 1, [&](int64_t begin, int64_t end) {
+            std::vector<float> scores;
+            std::vector<const kv_t*> tokens;
+            LineStream none;  // a task reads one KV head's rows: nothing to prefetch
+            for (int64_t task = begin; task < end; ++task) run(task, none, scores, tokens);
+          });
+          return;
+        }
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      // The casts are no-ops: this branch is for float32 queries only (over float32, bfloat16 or int8 rows).
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (head_dim == 64 || head_dim == 128) {
+          const int64_t threads = at::get_num_threads();
+          if (batch >= 4 * threads) {
+            // Requests, balanced as the AVX-512 path's, each prefetching its rows, then the next one's.
+            auto* request_kernel = head_dim == 64 ? &decode_request_avx2<8, kv_t> : &decode_request_avx2<16, kv_t>;
+            kvservice::parallel_for_balanced(batch, [&](int64_t b, int64_t next, int64_t first) {
+              thread_local std::vector<float> scores;
+              thread_local std::vector<const kv_t*> tokens;
+              LineStream ahead = request_stream(this_layer, has_next ? &next_layer : nullptr, b, next, first);
+              const int64_t offset = b * num_queries * num_heads * head_dim;
+              request_kernel(reinterpret_cast<const float*>(q_ptr + offset), kv_ptr, table + b * max_blocks,
+                             start_ptr[b], num_queries, group, num_heads, num_kv_heads, block_size, v_offset,
+                             static_cast<float>(scale), reinterpret_cast<float*>(out_ptr + offset), scores, tokens,
+                             ahead);
+            });
+            return;
+          }
+          // Small batches: a task per query head, so both threads have work.
+          auto* kernel = head_dim == 64 ? &decode_one_avx2<8, kv_t> : &decode_one_avx2<16, kv_t>;
+          kvservice::parallel_for(batch * num_heads, 1, [&](int64_t begin, int64_t end) {
+            std::vector<float> scores;
+            std::vector<const kv_t*> keys;
+            for (int64_t task = begin; task < end; ++task) {
+              const int64_t b = task / num_heads, h = task % num_heads / group, g = task % group;
+              const int64_t offset = b * num_queries * num_heads * head_dim;
+              // The next request this thread computes, its rows prefetched a share a task.
+              BlockLines next_k, next_v;
+              if ((b + 1) * num_heads < end) {
+                next_k = this_layer.lines(b + 1, false, task % num_heads, num_heads);
+                next_v = this_layer.lines(b + 1, true, task % num_heads, num_heads);
+              }
+              kernel(reinterpret_cast<const float*>(q_ptr + offset), kv_ptr, table + b * max_blocks, start_ptr[b],
+                     num_queries, group, g, g + 1, h, num_heads, num_kv_heads, block_size, v_offset,
+                     static_cast<float>(scale), reinterpret_cast<float*>(out_ptr + offset), scores, keys, next_k,
+                     next_v);
+            }
+          });
+          return;
+        }
+      }
+#endif
+      kvservice::parallel_for(batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores, qf, acc;
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+          const int64_t offset = b * num_queries * num_heads * head_dim;
+          decode_one<scalar_t, kv_t>(q_ptr + offset, kv_ptr, table + b * max_blocks, start_ptr[b], num_queries, group,
+                                     h, num_heads, num_kv_heads, head_dim, block_size, v_offset,
+                                     static_cast<float>(scale), out_ptr + offset, scores, qf, acc);
         }
       });
-      return;
-    }
-#endif
-    kvservice::parallel_for(batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, qf, acc;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-        const int64_t offset = b * num_queries * num_heads * head_dim;
-        decode_one<scalar_t>(q_ptr + offset, kv_ptr, table + b * max_blocks, start_ptr[b], num_queries, group, h,
-                             num_heads, num_kv_heads, head_dim, block_size, v_offset, static_cast<float>(scale),
-                             out_ptr + offset, scores, qf, acc);
-      }
     });
   });
   return out;
