@@ -330,3 +330,18 @@ def test_the_report_prints_the_bandwidth_limit_under_the_table_and_keeps_it_with
     assert document["memory_bandwidth"]["limit_ms_per_token"] == pytest.approx(2.0)
     [bandwidth] = [v for v in document["targets"] if v["reference"] == "bandwidth limit"]
     assert (bandwidth["bound"], bandwidth["passed"]) == (pytest.approx(6.0), True)  # 5 ms <= 3 x 2 ms
+
+
+def test_kvservice_args_reach_both_kvservice_commands_and_no_peer(tmp_path: Path) -> None:
+    paths, gguf = PeerPaths(tmp_path), tmp_path / "model.gguf"
+    extra = ("--kv-cache-dtype", "bfloat16")
+
+    def argv(name: str) -> tuple[str, ...]:
+        spec = peer_servers.server_spec(
+            name, 4321, paths, gguf, max_model_len=512, num_threads=2, cores=[0, 1], kvservice_args=extra
+        )
+        return spec.argv
+
+    for name in (KVSERVICE_COLOCATED, KVSERVICE_1P1D):
+        assert argv(name)[-2:] == extra
+    assert "--kv-cache-dtype" not in argv(LLAMA_CPP)

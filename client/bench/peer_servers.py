@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,9 +76,18 @@ def _kvservice() -> list[str]:
 
 
 def server_spec(
-    name: str, port: int, paths: PeerPaths, gguf: Path, *, max_model_len: int, num_threads: int, cores: list[int]
+    name: str,
+    port: int,
+    paths: PeerPaths,
+    gguf: Path,
+    *,
+    max_model_len: int,
+    num_threads: int,
+    cores: list[int],
+    kvservice_args: Sequence[str] = (),
 ) -> ServerSpec:
-    """The command of server `name` on HTTP `port`; `max_model_len` covers one request's prompt + output."""
+    """The command of server `name` on HTTP `port`; `max_model_len` covers one request's prompt + output;
+    `kvservice_args`: flags added to both kvservice commands (e.g. `--kv-cache-dtype bfloat16`)."""
     if name == KVSERVICE_COLOCATED:
         argv = [
             *_kvservice(),
@@ -90,11 +100,12 @@ def server_spec(
             "0",
             "--http-port",
             str(port),
+            *kvservice_args,
         ]
         return ServerSpec(name, tuple(argv), port, dict(WORKER_ENV))
     if name == KVSERVICE_1P1D:
         argv = [*_kvservice(), "launch", "--model", SERVED_MODEL_NAME, "--port", "0", "--http-port", str(port)]
-        return ServerSpec(name, tuple(argv), port)
+        return ServerSpec(name, (*argv, *kvservice_args), port)
     if name == LLAMA_CPP:
         argv = [
             str(paths.llama_server),

@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests sent and discarded before each concurrency level (default: 2)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts (default: 0)")
+    parser.add_argument(
+        "--kvservice-args",
+        default="",
+        metavar="FLAGS",
+        help="flags added to both kvservice commands, e.g. '--kv-cache-dtype bfloat16' (default: none)",
+    )
     parser.add_argument(
         "--ready-timeout", type=float, default=600.0, help="seconds a server may take to start (default: 600)"
     )
@@ -288,6 +295,7 @@ async def _measure_all(
             max_model_len=model_len(args.input_len, args.output_len),
             num_threads=len(cores),
             cores=cores,
+            kvservice_args=shlex.split(args.kvservice_args),
         )
         specs.append(spec)
         results[name] = await measure(spec, args, paths.logs / f"{name}.log")
