@@ -112,48 +112,36 @@ class LocalCluster:
             )
             self.address = child.address
         else:
-            await self._start_disaggregated(worker, grace)
+            worker += self._core_lease_args()
+            prefills = [
+                await self._spawn(f"prefill-{i}", [*worker, "--role", "prefill"], self.prefill_cores)
+                for i in range(self.num_prefill)
+            ]
+            kv_peers = self._kv_peers_args()
+            decode = [*worker, "--role", "decode", *kv_peers]
+            decodes = [
+                await self._spawn(f"decode-{i}", decode, self.decode_cores, stdin=bool(kv_peers))
+                for i in range(self.num_decode)
+            ]
+            await asyncio.gather(*(self._ready(child) for child in prefills))
+            if kv_peers:
+                line = " ".join(self.prefill_addresses) + "\n"
+                for child in decodes:
+                    assert child.process.stdin is not None
+                    child.process.stdin.write(line.encode())
+                    child.process.stdin.close()
+            await asyncio.gather(*(self._ready(child) for child in decodes))
+            # Every worker opened the lease file before it reported ready, and the locks live on
+            # those open files: the name can go now, so that even a SIGKILLed launcher leaves
+            # nothing in /dev/shm.
+            self._remove_core_lease()
+            proxy_cmd = [sys.executable, "-m", "kvservice", "proxy", "--port", str(self.port), *self.proxy_args, *grace]
+            if self.prefill_addresses:
+                proxy_cmd += ["--prefill", *self.prefill_addresses]
+            proxy_cmd += ["--decode", *self.decode_addresses]
+            self.address = (await self.start_child("proxy", proxy_cmd, None)).address
         async with KVServiceClient(self.address, self.client_credentials) as client:
             await client.wait_until_serving(self.startup_timeout)
-
-    async def _start_disaggregated(self, worker: list[str], grace: list[str]) -> None:
-        """Prefill and decode workers and the proxy, all starting at once: the proxy learns each
-        worker's address on its stdin as the worker becomes ready (--workers-stdin), so its own
-        start-up overlaps theirs."""
-        worker = [*worker, *self._core_lease_args()]
-        prefills = [
-            await self._spawn(f"prefill-{i}", [*worker, "--role", "prefill"], self.prefill_cores)
-            for i in range(self.num_prefill)
-        ]
-        kv_peers = self._kv_peers_args()
-        decode = [*worker, "--role", "decode", *kv_peers]
-        decodes = [
-            await self._spawn(f"decode-{i}", decode, self.decode_cores, stdin=bool(kv_peers))
-            for i in range(self.num_decode)
-        ]
-        proxy_cmd = [sys.executable, "-m", "kvservice", "proxy", "--port", str(self.port), "--workers-stdin"]
-        proxy = await self._spawn("proxy", [*proxy_cmd, *self.proxy_args, *grace], None, stdin=True)
-        assert proxy.process.stdin is not None
-        proxy_stdin = proxy.process.stdin
-
-        async def ready(child: ChildProcess, role: str) -> None:
-            await self._ready(child)
-            proxy_stdin.write(f"{role} {child.address}\n".encode())
-
-        await asyncio.gather(*(ready(child, "prefill") for child in prefills))
-        if kv_peers:
-            line = " ".join(self.prefill_addresses) + "\n"
-            for child in decodes:
-                assert child.process.stdin is not None
-                child.process.stdin.write(line.encode())
-                child.process.stdin.close()
-        await asyncio.gather(*(ready(child, "decode") for child in decodes))
-        proxy_stdin.close()
-        # Every worker opened the lease file before it reported ready, and the locks live on
-        # those open files: the name can go now, so that even a SIGKILLed launcher leaves
-        # nothing in /dev/shm.
-        self._remove_core_lease()
-        self.address = (await self._ready(proxy)).address
 
     def _core_lease_args(self) -> list[str]:
         """A lease file for prefill and decode workers that may compute on the same cores (no

@@ -195,9 +195,3 @@ async def test_launched_workers_run_with_the_engine_flags_given_to_launch() -> N
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(process.wait(), 60)
         await kill_all([process])
-
-
-def test_a_proxy_needs_decode_workers_from_a_flag_or_its_stdin(capsys: pytest.CaptureFixture[str]) -> None:
-    assert proxy_server.main(_parse(proxy_server.add_arguments)) == 2
-    assert "--workers-stdin" in capsys.readouterr().err
-    assert _parse(proxy_server.add_arguments, "--workers-stdin").workers_stdin

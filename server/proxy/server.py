@@ -50,12 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode", nargs="*", default=[], metavar="HOST:PORT", help="decode workers (this, --decode-dns, or both)"
     )
     parser.add_argument(
-        "--workers-stdin",
-        action="store_true",
-        help="also take workers from stdin as they become ready, one 'prefill HOST:PORT' or 'decode HOST:PORT' "
-        "line each, until it closes: how `kvservice launch` starts the proxy beside its workers, not after them",
-    )
-    parser.add_argument(
         "--prefill-dns",
         action="append",
         default=[],
@@ -139,10 +133,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--migration-limit must be >= 0, got {args.migration_limit}")
         if not args.discovery_interval > 0:
             raise ValueError(f"--discovery-interval must be > 0, got {args.discovery_interval}")
-        if not args.decode and not args.decode_dns and not args.workers_stdin:
-            raise ValueError(
-                "give decode workers: --decode HOST:PORT ..., --decode-dns NAME:PORT and/or --workers-stdin"
-            )
+        if not args.decode and not args.decode_dns:
+            raise ValueError("give decode workers: --decode HOST:PORT ... and/or --decode-dns NAME:PORT")
         for name in args.prefill_dns + args.decode_dns:
             DNSName.parse(name)
         tls = TLSFiles.from_args(args)
@@ -287,28 +279,7 @@ def _start_tasks(
         if router.needs_kv_events:
             pool.on_added(subscriptions.follow)
     monitor = asyncio.create_task(_monitor(server, prefill, decode, args.health_interval))
-    tasks = [monitor, *(asyncio.create_task(d.run(), name=f"discovery {d.pool.role}") for d in discoveries)]
-    if args.workers_stdin:
-        tasks.append(asyncio.create_task(_workers_from_stdin(prefill, decode), name="workers from stdin"))
-    return tasks
-
-
-async def _workers_from_stdin(prefill: WorkerPool, decode: WorkerPool) -> None:
-    """Add each worker named on stdin ('prefill HOST:PORT' or 'decode HOST:PORT'), until it closes;
-    it joins as a discovered worker does, once it serves."""
-    pools = {pool.role: pool for pool in (prefill, decode)}
-    reader = asyncio.StreamReader()
-    loop = asyncio.get_running_loop()
-    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    try:
-        while line := await reader.readline():
-            role, _, address = line.decode(errors="replace").strip().partition(" ")
-            if role in pools and address:
-                pools[role].add(address)
-            else:
-                logger.warning("stdin: expected 'prefill HOST:PORT' or 'decode HOST:PORT', got %r", line[:200])
-    finally:
-        transport.close()
+    return [monitor, *(asyncio.create_task(d.run(), name=f"discovery {d.pool.role}") for d in discoveries)]
 
 
 async def _monitor(server: GrpcServer, prefill: WorkerPool, decode: WorkerPool, interval: float) -> None:
