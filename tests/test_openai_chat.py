@@ -100,8 +100,8 @@ async def test_chat_stream_role_then_deltas_then_finish(
     assert "".join(c.choices[0].delta.content or "" for c in with_choices) == text
     finish = [c.choices[0].finish_reason for c in with_choices]
     assert finish[-1] == "length" and set(finish[:-1]) == {None}
-    # One event per engine step: every generated token arrived in an event of its own.
-    assert len(with_choices) == 1 + MAX_TOKENS
+    # One event per engine step, or fewer: chunks a stream fell behind on travel in one event.
+    assert 2 <= len(with_choices) <= 1 + MAX_TOKENS
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == MAX_TOKENS
 
 

@@ -17,6 +17,7 @@ from test_connector_lifecycle import RecordingConnector
 
 from kvservice import LLM, SamplingParams
 from kvservice.config import EngineConfig
+from kvservice.engine.engine import LLMEngine
 from kvservice.engine.engine_builder import build_engine
 from kvservice.worker import input_batch
 from kvservice.worker.input_batch import BatchItem, decode_group
@@ -127,13 +128,8 @@ def test_greedy_verification_accepts_the_matching_prefix() -> None:
     assert verify_draft_tokens(logits, [0, 1, 4], None, greedy, None) == [3]
 
 
-def test_wait_for_save_runs_after_the_draft_pass_and_outputs_reach_the_scheduler(
-    models: tuple[pathlib.Path, pathlib.Path],
-) -> None:
-    target, draft = models
-    connector = RecordingConnector(delay_free=True)
-    config = EngineConfig(draft_model=str(draft), num_speculative_tokens=2, **ENGINE)
-    engine = build_engine(str(target), config, connector)
+def _recording_draft_passes(engine: LLMEngine, connector: RecordingConnector) -> LLMEngine:
+    """`engine`, its draft passes recorded among `connector`'s calls as ("draft_pass", ())."""
     drafter = engine.core.runner.drafter
     assert drafter is not None
     original = drafter.propose
@@ -143,6 +139,16 @@ def test_wait_for_save_runs_after_the_draft_pass_and_outputs_reach_the_scheduler
         return original(*args, **kwargs)
 
     drafter.propose = recorded_propose  # type: ignore[method-assign]
+    return engine
+
+
+def test_wait_for_save_runs_after_the_draft_pass_and_outputs_reach_the_scheduler(
+    models: tuple[pathlib.Path, pathlib.Path],
+) -> None:
+    target, draft = models
+    connector = RecordingConnector(delay_free=True)
+    config = EngineConfig(draft_model=str(draft), num_speculative_tokens=2, **ENGINE)
+    engine = _recording_draft_passes(build_engine(str(target), config, connector), connector)
     engine.add_request([5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), "r")
     engine.step()
     names = [call[0] for call in connector.calls]
@@ -164,16 +170,7 @@ def test_the_eager_baseline_waits_for_the_targets_save_before_the_draft_pass(
     target, draft = models
     connector = RecordingConnector()
     config = EngineConfig(draft_model=str(draft), num_speculative_tokens=2, kv_save_before_draft=True, **ENGINE)
-    engine = build_engine(str(target), config, connector)
-    drafter = engine.core.runner.drafter
-    assert drafter is not None
-    original = drafter.propose
-
-    def recorded_propose(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        connector.calls.append(("draft_pass", ()))
-        return original(*args, **kwargs)
-
-    drafter.propose = recorded_propose  # type: ignore[method-assign]
+    engine = _recording_draft_passes(build_engine(str(target), config, connector), connector)
     engine.add_request([5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=1), "r")
     engine.step()
     names = [call[0] for call in connector.calls]

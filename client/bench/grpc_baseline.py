@@ -65,19 +65,25 @@ def _server(conn: Connection, num_bytes: int, message_bytes: int, seed: int) -> 
             )
         )
         port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        conn.send(("ready", port, crc))
-        try:
-            await asyncio.to_thread(conn.recv)  # until told to stop
-        except EOFError:
-            pass  # the orchestrator is gone: stop too
-        await server.stop(None)
+        await serve_until_told(server, conn, ("ready", port, crc))
 
     try:
         asyncio.run(serve())
     except BaseException as exc:
         conn.send(("error", f"server: {exc!r}"))
         raise
+
+
+async def serve_until_told(server: Any, conn: Connection, ready: tuple[Any, ...]) -> None:
+    """Start a baseline child's grpc.aio `server`, send `ready` to the orchestrator, and stop once
+    told to (or once the orchestrator is gone)."""
+    await server.start()
+    conn.send(ready)
+    try:
+        await asyncio.to_thread(conn.recv)  # until told to stop
+    except EOFError:
+        pass  # the orchestrator is gone: stop too
+    await server.stop(None)
 
 
 def _client(conn: Connection, port: int, timeout_s: float) -> None:

@@ -14,6 +14,7 @@ import multiprocessing as mp
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvservice.client.bench.grpc_baseline import serve_until_told
 from kvservice.client.bench.tcp_baseline import close_children, expect_reply
 
 _METHOD = "/kvservice.bench.Floor/Stream"
@@ -37,13 +38,7 @@ def _server(conn: Connection, messages_per_call: int) -> None:
         handler = grpc.unary_stream_rpc_method_handler(stream)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.lstrip("/"), {method: handler}),))
         port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        conn.send(("ready", port))
-        try:
-            await asyncio.to_thread(conn.recv)  # until told to stop
-        except EOFError:
-            pass
-        await server.stop(None)
+        await serve_until_told(server, conn, ("ready", port))
 
     try:
         asyncio.run(serve())
