@@ -42,6 +42,11 @@ class RemoteKVLoads:
         self.vocab_size = vocab_size  # bounds a first token that a remote prefill sends
         self.parked: dict[str, Request] = {}
 
+    def has_source(self, request: Request) -> bool:
+        """Whether the connector brings this request's prompt KV (a decode worker's pull, which
+        sends the first token with it)."""
+        return self.connector.supplies_first_token(request)
+
     def try_park(self, request: Request, cached: list[int]) -> bool | None:
         """Park a waiting request whose prompt KV (past its cached prefix) arrives asynchronously.
         True if it was parked, None if it must but its blocks are not free, else False."""

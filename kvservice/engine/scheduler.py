@@ -274,7 +274,7 @@ class Scheduler:
         for request, num_computed in self.tier_loads.take_finished():
             request.num_computed_tokens = num_computed
             self.kv.cache_full_blocks(request)
-            if request.kv_transfer_params is not None:
+            if self.remote_loads is not None and self.remote_loads.has_source(request):
                 # Its prompt's KV comes from elsewhere too: it waits again, first in line, and its
                 # pull starts past the blocks it found (now in the prefix cache, as freed blocks).
                 self.kv.free(request.request_id)

@@ -49,6 +49,12 @@ DECODE_LOAD_TOKENS = 64
 OFFLOAD_LOAD_COST = 0.1
 
 
+def _missing_cost(num_tokens: int, held: PrefixLocation) -> float:
+    """What `num_tokens` of a prompt cost a worker that holds `held` of them: a token computed
+    or pulled for each it holds nowhere, OFFLOAD_LOAD_COST for each in its offload tier."""
+    return num_tokens - held.num_held_tokens + OFFLOAD_LOAD_COST * held.num_offloaded_tokens
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     decode: WorkerHandle
@@ -98,24 +104,13 @@ class Router:
 
         def pull_cost(worker: WorkerHandle) -> float:
             assert token_ids is not None
-            held, block_size = where(worker), worker.kv_index.block_size or 1
+            block_size = worker.kv_index.block_size or 1
             num_prompt_tokens = -(-len(token_ids) // block_size) * block_size
-            return (
-                num_prompt_tokens
-                - held.num_held_tokens
-                + OFFLOAD_LOAD_COST * held.num_offloaded_tokens
-                + DECODE_LOAD_TOKENS * worker.num_outstanding
-            )
+            return _missing_cost(num_prompt_tokens, where(worker)) + DECODE_LOAD_TOKENS * worker.num_outstanding
 
         def prefill_cost(worker: WorkerHandle) -> float:
             assert token_ids is not None
-            held = where(worker)
-            return (
-                len(token_ids)
-                - held.num_held_tokens
-                + OFFLOAD_LOAD_COST * held.num_offloaded_tokens
-                + PREFILL_LOAD_TOKENS * worker.num_outstanding
-            )
+            return _missing_cost(len(token_ids), where(worker)) + PREFILL_LOAD_TOKENS * worker.num_outstanding
 
         decode = self._pick(self.decode, decoders, token_ids, pull_cost)
         num_uncached = (
