@@ -6,7 +6,8 @@ import math
 import os
 import time
 
-from kvservice.client.bench.proxy_cpu import ProxyCost, process_cpu_seconds
+from kvservice.client.bench.proxy_cpu import ProxyCost
+from kvservice.client.bench.tcp_baseline import process_cpu_seconds
 
 
 def test_process_cpu_seconds_grows_with_the_work_this_process_does() -> None:

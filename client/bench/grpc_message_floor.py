@@ -15,7 +15,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kvservice.client.bench.grpc_baseline import serve_until_told
-from kvservice.client.bench.tcp_baseline import close_children, expect_reply
+from kvservice.client.bench.tcp_baseline import close_children, expect_reply, process_cpu_seconds
 
 _METHOD = "/kvservice.bench.Floor/Stream"
 _WHAT = "gRPC message floor"
@@ -62,8 +62,6 @@ async def _read_streams(port: int, concurrency: int, timeout_s: float) -> int:
 
 def grpc_us_per_message(concurrency: int, messages_per_call: int = 256, timeout_s: float = 60.0) -> float:
     """The bare server's CPU microseconds per message over `concurrency` streams at once."""
-    from kvservice.client.bench.proxy_cpu import process_cpu_seconds
-
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     server = ctx.Process(target=_server, args=(child, messages_per_call), daemon=True)

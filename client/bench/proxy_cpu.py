@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from dataclasses import dataclass
 
 from kvservice.client.bench.backend import Backend, GrpcBackend, OpenAIBackend
 from kvservice.client.bench.grpc_message_floor import grpc_us_per_message
 from kvservice.client.bench.runner import run_benchmark
+from kvservice.client.bench.tcp_baseline import process_cpu_seconds
 from kvservice.client.bench.workload import random_requests
 from kvservice.client.cluster import LocalCluster
 
@@ -43,14 +43,6 @@ class ProxyCost:
     @property
     def tokens_per_s(self) -> float:
         return self.num_tokens / self.wall_s if self.wall_s else 0.0
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` (all its threads), from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()  # past the command name, which may hold spaces
-    # Fields 14 and 15 of stat (utime, stime) are the 12th and 13th after the name.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
