@@ -7,50 +7,36 @@ into the batch as the engine hands them over (`AsyncLLMEngine.run`: no task swit
 so a batch holds the whole step: one gRPC message a step instead of one a token (gRPC's asyncio
 API costs ~35-45 us of CPU a message on each side here: scripts/token_stream_cost.py).
 
-The worker dials only the prefill workers it may trust: a plain HOST:PORT (never a
-`unix:` path or another scheme), named by a request that passed the bearer token check,
-and within `--kv-peers` when that allow-list is given.
+The worker dials only the prefill workers it may trust (`kv_sources.check_kv_peer`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
 from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN
+from kvservice.connector.transfer_registry import TransferRegistry
+from kvservice.core.outputs import KVTransferCounters
 from kvservice.core.request import check_request_id
 from kvservice.core.sampling_params import SamplingParams
 from kvservice.engine.async_engine import AsyncLLMEngine
 from kvservice.engine.engine import RequestOutput
 from kvservice.loading.chat_template import Prompt
 from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
-from kvservice.server.errors import PeerNotAllowed, ShuttingDown, abort_with, message_for, status_for
+from kvservice.server.errors import ShuttingDown, abort_with, message_for, status_for
 from kvservice.server.generation import ResponseConverter, merge_chunk, stream_responses
 from kvservice.server.kv_events import KVEventPublisher
+from kvservice.server.kv_sources import check_kv_peer
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.worker_service import EngineWorkerService
 from kvservice.v1 import kvservice_pb2 as pb
 
 logger = logging.getLogger(__name__)
-
-_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}")
-_MAX_ADDRESS_CHARS = 256
-# gRPC reads "unix:1234" as the socket path "1234", not host "unix" port 1234.
-_GRPC_SCHEMES = frozenset({"unix", "unix-abstract", "vsock", "ipv4", "ipv6", "dns", "xds", "google-c2p"})
-
-
-def check_kv_peer(address: str, kv_peers: frozenset[str] | None) -> None:
-    """Raise unless this worker may dial `address` for a KV pull."""
-    match = _HOST_PORT.fullmatch(address) if len(address) <= _MAX_ADDRESS_CHARS else None
-    if match is None or match.group(1).lower() in _GRPC_SCHEMES:
-        raise ValueError(f"kv_transfer_params.remote_address: expected HOST:PORT, got {address[:64]!r}")
-    if kv_peers is not None and address not in kv_peers:
-        raise PeerNotAllowed(f"kv_transfer_params.remote_address: {address} is not one of this worker's --kv-peers")
 
 
 class DecodeWorkerService(EngineWorkerService):
@@ -60,9 +46,12 @@ class DecodeWorkerService(EngineWorkerService):
         metrics: ServerMetrics | None = None,
         kv_peers: frozenset[str] | None = None,
         kv_events: KVEventPublisher | None = None,
+        kv_sending: KVTransferCounters | None = None,
+        registry: TransferRegistry | None = None,
     ) -> None:
-        """`kv_peers`: the prefill workers KV may be pulled from; None: any that a request names."""
-        super().__init__(engine, "decode", kv_events)
+        """`kv_peers`: the prefill workers KV may be pulled from; None: any that a request names.
+        `registry`, `kv_sending`: the prefixes it exports for other workers' pulls, and their counters."""
+        super().__init__(engine, "decode", kv_events, kv_sending, registry)
         self.kv_peers = kv_peers
         self.metrics = metrics if metrics is not None else ServerMetrics("decode")
         self.is_draining = False

@@ -437,6 +437,18 @@ def _kv_offload_metrics(o: pb.KVOffloadStats) -> Iterator[Metric]:
             o.num_blocks_dropped,
         ),
         ("blocks_evicted", "Blocks the store evicted to keep within its bound", o.num_blocks_evicted),
+        (
+            "peer_blocks_from_prefill",
+            "Blocks pulled from prefill workers instead of computed",
+            o.num_peer_blocks_from_prefill,
+        ),
+        (
+            "peer_blocks_from_decode",
+            "Blocks pulled from decode workers instead of computed",
+            o.num_peer_blocks_from_decode,
+        ),
+        ("peer_pulls_failed", "Peer pulls that failed or were refused, and recomputed", o.num_peer_pulls_failed),
+        ("blocks_exported", "Cached blocks staged for other workers to pull (ExportKV)", o.num_blocks_exported),
     )
     for name, documentation, value in counters:
         yield CounterMetricFamily(f"kvservice_kv_offload_{name}", f"KV offload tier: {documentation}", value=value)

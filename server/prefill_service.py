@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import Any
 
 import grpc
 
@@ -25,6 +26,7 @@ from kvservice.runtime.finish_reason import finish_reason_to_proto
 from kvservice.server.convert import logprobs_to_proto, prompt_from_proto, sampling_params_from_proto
 from kvservice.server.errors import RequestFailed, ShuttingDown, abort_with
 from kvservice.server.kv_events import KVEventPublisher
+from kvservice.server.kv_sources import prefix_source_params
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.worker_service import EngineWorkerService
 from kvservice.v1 import kvservice_pb2 as pb
@@ -42,8 +44,8 @@ class PrefillWorkerService(EngineWorkerService):
         kv_events: KVEventPublisher | None = None,
         kv_sending: KVTransferCounters | None = None,
     ) -> None:
-        super().__init__(engine, "prefill", kv_events, kv_sending)
-        self.registry = registry
+        super().__init__(engine, "prefill", kv_events, kv_sending, registry)
+        self.registry: TransferRegistry = registry
         self.staging_wait_seconds = staging_wait_seconds
         self.metrics = metrics if metrics is not None else ServerMetrics("prefill")
         self.is_draining = False
@@ -68,6 +70,7 @@ class PrefillWorkerService(EngineWorkerService):
                 if not request.transfer_token:
                     raise ValueError("transfer_token: empty")
                 params = sampling_params_from_proto(inner.sampling_params)
+                kv_params = _kv_transfer_params(request)  # checked before anything is registered
                 token_ids = self.engine.engine.encode(prompt_from_proto(inner, self.engine.engine.max_model_len))
                 await self.registry.register_when_space(
                     inner.request_id, request.transfer_token, len(token_ids), self.staging_wait_seconds
@@ -76,9 +79,7 @@ class PrefillWorkerService(EngineWorkerService):
                 # The prefill samples exactly one token; the decode worker applies the real limits.
                 prefill_params = replace(params, max_tokens=1)
                 last = None
-                async for out in self.engine.generate(
-                    token_ids, prefill_params, inner.request_id, {TRANSFER_TOKEN: request.transfer_token}
-                ):
+                async for out in self.engine.generate(token_ids, prefill_params, inner.request_id, kv_params):
                     if out.error is not None:
                         raise RequestFailed(out.error)
                     last = out
@@ -112,14 +113,13 @@ class PrefillWorkerService(EngineWorkerService):
             elif not registered and is_valid_id:
                 self.registry.reject(inner.request_id, request.transfer_token, "the prefill request was refused")
 
-    async def ReleaseKV(self, request: pb.ReleaseKVRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseKVResponse:
-        try:
-            check_request_id(request.request_id)
-            if not request.transfer_token:
-                raise ValueError("transfer_token: empty")
-        except ValueError as e:
-            await abort_with(context, e)
-        return pb.ReleaseKVResponse(was_staged=self.registry.release(request.request_id, request.transfer_token))
+
+def _kv_transfer_params(request: pb.PrefillRequest) -> dict[str, Any]:
+    """What the prefill's KV moves by: its transfer token, and the prefix source it pulls from."""
+    params: dict[str, Any] = {TRANSFER_TOKEN: request.transfer_token}
+    if request.HasField("prefix_source"):
+        params.update(prefix_source_params(request.prefix_source))
+    return params
 
 
 def first_token_finish_reason(token_id: int, params: SamplingParams, eos_token_ids: frozenset[int]) -> str | None:

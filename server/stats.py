@@ -49,6 +49,10 @@ def engine_stats(engine: LLMEngine, role: str) -> pb.StatsResponse:
             transfer_counters_to_proto(connector.receiving, stats.kv_receiving)
         if connector.sending is not None:
             transfer_counters_to_proto(connector.sending, stats.kv_sending)
+        if connector.peer_pulls is not None:
+            stats.kv_offload.num_peer_blocks_from_prefill = connector.peer_pulls.num_blocks_from_prefill
+            stats.kv_offload.num_peer_blocks_from_decode = connector.peer_pulls.num_blocks_from_decode
+            stats.kv_offload.num_peer_pulls_failed = connector.peer_pulls.num_failed
         if connector.staging is not None:
             stats.kv_sending.staging_bytes_in_use = connector.staging.bytes_in_use
             stats.kv_sending.staging_bytes_capacity = connector.staging.bytes_capacity

@@ -1,7 +1,8 @@
 """One builder per worker role: each assembles its engine, connector and gRPC services.
 
-  prefill: Worker.Prefill + KVTransfer.PullKV, with a staging pool and a transfer registry;
-  decode:  Worker.Decode, with the pull connector;
+  prefill: Worker.Prefill + KVTransfer.PullKV, with a staging pool and a transfer registry, and
+           the pull connector beside its staging one (prefixes other workers hold);
+  decode:  Worker.Decode, with the pull connector; KVTransfer.PullKV for the prefixes it exports;
   both:    the client API (Generation) and, on request, the OpenAI HTTP API; no connector.
 
 Every role also serves Worker.Stats and Worker.SubscribeKVEvents. `kvservice.server.worker_server`
@@ -24,6 +25,7 @@ import grpc
 from kvservice.config import EngineConfig
 from kvservice.connector.base import KVConnectorBase
 from kvservice.connector.decode_connector import DecodeKVConnector
+from kvservice.connector.joined_connector import JoinedKVConnector
 from kvservice.connector.kv_transfer_service import KVTransferService
 from kvservice.connector.offload_store import DiskKVStore, OffloadStoreLockedError, StoreFingerprint
 from kvservice.connector.offload_tier import OffloadTier
@@ -47,6 +49,10 @@ from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 from kvservice.worker.core_lease import CoreLease, LeaseRole
 
 logger = logging.getLogger(__name__)
+
+# --kv-staging-mib's default per role: a prefill worker stages every prompt it computes, a decode
+# worker only the prefixes it exports to peers.
+DEFAULT_STAGING_MIB = {"prefill": 256, "decode": 64, "both": 64}
 
 
 class StartupError(RuntimeError):
@@ -76,10 +82,11 @@ async def build_prefill_worker(
     args: argparse.Namespace, config: EngineConfig, layout: KVCacheLayout, tls: TLSFiles
 ) -> Worker:
     """Prefill: stages each prompt's KV in a bounded pool and serves it to decode workers' pulls."""
-    pool = StagingPool(args.kv_staging_mib << 20, pin_memory=config.device.startswith("cuda"))
-    registry = TransferRegistry(pool, layout, args.kv_lease_seconds)
-    connector = PrefillKVConnector(registry)
+    registry = _transfer_registry(args, config, layout)
+    # It stages its prompts' KV, and pulls the prefixes that other workers hold (a prefix source).
+    connector = JoinedKVConnector(PrefillKVConnector(registry), _pulling_connector(args, layout, tls))
     engine, async_engine, kv_events = await _load_engine(args, config, connector, LeaseRole.YIELDING, layout)
+    connector.loading.on_load_done = async_engine.wake
     server = GrpcServer(
         [SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], tls.server_credentials(), _interceptors(args)
     )
@@ -107,14 +114,9 @@ async def build_prefill_worker(
 async def build_decode_worker(
     args: argparse.Namespace, config: EngineConfig, layout: KVCacheLayout, tls: TLSFiles
 ) -> Worker:
-    """Decode: pulls each prompt's KV from the prefill worker the request names, then generates."""
-    connector = DecodeKVConnector(
-        layout,
-        transfer_timeout=args.kv_transfer_timeout,
-        channel_credentials=tls.channel_credentials(),
-        auth_token=args.auth_token,
-        use_shared_memory=args.kv_transfer_shm,
-    )
+    """Decode: pulls each prompt's KV from the prefill worker the request names, then generates;
+    stages the prefixes it holds for other workers to pull (ExportKV)."""
+    connector = _pulling_connector(args, layout, tls)
     # Read while the model loads (`--kv-peers -`); a decode worker fails here, before it computes anything.
     reading_kv_peers = asyncio.ensure_future(read_kv_peers(args.kv_peers))
     try:
@@ -124,15 +126,32 @@ async def build_decode_worker(
         raise
     kv_peers = await reading_kv_peers
     connector.on_load_done = async_engine.wake
-    server = GrpcServer([SERVICE_NAMES["worker"]], tls.server_credentials(), _interceptors(args))
+    server = GrpcServer(
+        [SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], tls.server_credentials(), _interceptors(args)
+    )
+    registry = _transfer_registry(args, config, layout)
+    transfer_service = KVTransferService(registry)
+    server.server.add_generic_rpc_handlers([transfer_service.handler()])
     metrics = ServerMetrics(args.role)
-    service = DecodeWorkerService(async_engine, metrics=metrics, kv_peers=kv_peers, kv_events=kv_events)
+    service = DecodeWorkerService(
+        async_engine,
+        metrics=metrics,
+        kv_peers=kv_peers,
+        kv_events=kv_events,
+        kv_sending=transfer_service.stats,
+        registry=registry,
+    )
     pb_grpc.add_WorkerServicer_to_server(service, server.server)
 
     async def drain() -> None:
         service.drain()  # DecodeStreams never end by themselves: each ends once its requests have
 
-    return Worker(engine, async_engine, server, service, metrics, kv_events, closers=[connector.shutdown], drain=drain)
+    return Worker(
+        engine, async_engine, server, service, metrics, kv_events,
+        closers=_closers(engine, connector.shutdown, transfer_service.close),
+        tasks=[asyncio.create_task(_expire_leases(registry))],
+        drain=drain,
+    )  # fmt: skip
 
 
 async def build_colocated_worker(
@@ -150,6 +169,25 @@ async def build_colocated_worker(
     pb_grpc.add_WorkerServicer_to_server(service, server.server)
     return Worker(
         engine, async_engine, server, service, metrics, kv_events, generation=generation, closers=_closers(engine)
+    )
+
+
+def _transfer_registry(args: argparse.Namespace, config: EngineConfig, layout: KVCacheLayout) -> TransferRegistry:
+    """The transfers this worker's PullKV serves (a prefill's KV, or prefixes it exports), in a
+    pool bounded by --kv-staging-mib."""
+    mib = args.kv_staging_mib if args.kv_staging_mib is not None else DEFAULT_STAGING_MIB[args.role]
+    pool = StagingPool(mib << 20, pin_memory=config.device.startswith("cuda"))
+    return TransferRegistry(pool, layout, args.kv_lease_seconds)
+
+
+def _pulling_connector(args: argparse.Namespace, layout: KVCacheLayout, tls: TLSFiles) -> DecodeKVConnector:
+    """The connector that pulls KV from other workers: a prefill worker's, or a prefix source's."""
+    return DecodeKVConnector(
+        layout,
+        transfer_timeout=args.kv_transfer_timeout,
+        channel_credentials=tls.channel_credentials(),
+        auth_token=args.auth_token,
+        use_shared_memory=args.kv_transfer_shm,
     )
 
 

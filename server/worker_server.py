@@ -48,10 +48,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-lease-seconds",
         type=float,
         default=30.0,
-        help="prefill side: staged KV not pulled within this is freed (default: 30)",
+        help="staged KV (a prefill's, or an exported prefix) not pulled within this is freed (default: 30)",
     )
     parser.add_argument(
-        "--kv-staging-mib", type=int, default=256, help="prefill side: staging pool bound (default: 256)"
+        "--kv-staging-mib",
+        type=int,
+        default=None,
+        help="staging pool for KV that other workers pull: a prefill worker's prompts, and the cached prefixes any "
+        "worker exports to peers (ExportKV), allocated at start (default: 256 on prefill workers, 64 on decode)",
     )
     parser.add_argument(
         "--kv-transfer-timeout",

@@ -1,4 +1,5 @@
-"""The Worker RPCs every role serves from its engine: Stats and SubscribeKVEvents.
+"""The Worker RPCs every role serves from its engine: Stats, SubscribeKVEvents and, given a
+transfer registry, ExportKV and ReleaseKV (the source half of peer pulls: `prefix_export`).
 
 `PrefillWorkerService` and `DecodeWorkerService` add their own RPCs to it; a colocated
 worker (`--role both`) serves it alone next to the client API, so a router can follow
@@ -11,8 +12,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvservice.connector.prefix_export import export_prefix
+from kvservice.connector.transfer_registry import TransferRegistry
 from kvservice.core.outputs import KVTransferCounters
+from kvservice.core.request import check_request_id
 from kvservice.engine.async_engine import AsyncLLMEngine
+from kvservice.engine.engine import LLMEngine
 from kvservice.server.errors import abort_with
 from kvservice.server.kv_events import KVEventPublisher
 from kvservice.server.stats import engine_stats, transfer_counters_to_proto
@@ -27,19 +32,25 @@ class EngineWorkerService(pb_grpc.WorkerServicer):
         role: str,
         kv_events: KVEventPublisher | None = None,
         kv_sending: KVTransferCounters | None = None,
+        registry: TransferRegistry | None = None,
     ) -> None:
         """`kv_events`: the publisher fed by `engine`'s step thread; None: SubscribeKVEvents is UNIMPLEMENTED.
-        `kv_sending`: a prefill worker's PullKV counters (they live in its KVTransferService, not the engine)."""
+        `kv_sending`: the worker's PullKV counters (they live in its KVTransferService, not the engine).
+        `registry`: the transfers its PullKV serves; None: ExportKV and ReleaseKV are UNIMPLEMENTED."""
         self.engine = engine
         self.role = role
         self.kv_events = kv_events
         self.kv_sending = kv_sending
+        self.registry = registry
+        self.num_blocks_exported = 0  # staged for peers by ExportKV (the server loop's)
 
     async def stats(self) -> pb.StatsResponse:
         """This worker's figures: the engine's, and what its PullKV service sent (the Stats RPC and /metrics)."""
         stats: pb.StatsResponse = await self.engine.call(lambda engine: engine_stats(engine, self.role))
         if self.kv_sending is not None:
             transfer_counters_to_proto(self.kv_sending.snapshot(), stats.kv_sending)
+        if self.registry is not None:
+            stats.kv_offload.num_blocks_exported = self.num_blocks_exported
         return stats
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
@@ -61,3 +72,40 @@ class EngineWorkerService(pb_grpc.WorkerServicer):
                 yield batch
         except Exception as e:
             await abort_with(context, e)
+
+    async def ExportKV(self, request: pb.ExportKVRequest, context: grpc.aio.ServicerContext) -> pb.ExportKVResponse:
+        registry = self.registry
+        if registry is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker serves no KV pulls")
+            raise AssertionError  # abort raises
+        try:
+            check_request_id(request.request_id)
+            if not request.transfer_token:
+                raise ValueError("transfer_token: empty")
+            token_ids = list(request.prompt_token_ids)
+
+            def export(engine: LLMEngine) -> pb.ExportKVResponse:
+                core = engine.core
+                exported = export_prefix(
+                    core.scheduler.kv, core.kv_caches, registry, request.request_id, request.transfer_token, token_ids
+                )
+                return pb.ExportKVResponse(num_tokens=exported.num_tokens, last_block_hash=exported.last_block_hash)
+
+            response: pb.ExportKVResponse = await self.engine.call(export)
+            self.num_blocks_exported += response.num_tokens // registry.layout.block_size
+            return response
+        except Exception as e:
+            await abort_with(context, e)
+            raise  # abort raises; this line is never reached
+
+    async def ReleaseKV(self, request: pb.ReleaseKVRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseKVResponse:
+        if self.registry is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker serves no KV pulls")
+        try:
+            check_request_id(request.request_id)
+            if not request.transfer_token:
+                raise ValueError("transfer_token: empty")
+        except ValueError as e:
+            await abort_with(context, e)
+        assert self.registry is not None
+        return pb.ReleaseKVResponse(was_staged=self.registry.release(request.request_id, request.transfer_token))

@@ -43,6 +43,22 @@ from kvservice.core.outputs import (
 # The keys of `Request.kv_transfer_params` that the router sets and the connectors read.
 TRANSFER_TOKEN = "transfer_token"  # the random secret that authorises pulling one transfer's KV
 REMOTE_ADDRESS = "remote_address"  # decode side: the prefill worker that holds the KV
+# A prefix source: another worker staged the prompt's leading blocks (ExportKV) for a pull.
+PREFIX_ADDRESS = "prefix_address"  # the worker to pull them from
+PREFIX_TOKEN = "prefix_token"  # the token they are staged under
+PREFIX_NUM_TOKENS = "prefix_num_tokens"  # how many leading prompt tokens (whole blocks)
+PREFIX_LAST_HASH = "prefix_last_hash"  # the chained hash of the last of those blocks
+PREFIX_ROLE = "prefix_role"  # the source's role, for the puller's stats
+PREFIX_KEYS = (PREFIX_ADDRESS, PREFIX_TOKEN, PREFIX_NUM_TOKENS, PREFIX_LAST_HASH, PREFIX_ROLE)
+
+
+def drop_prefix_source(request: Request) -> None:
+    """Forget a request's prefix source (pulled, failed, or of no use): it is tried once."""
+    params = request.kv_transfer_params
+    if params is not None:
+        for key in PREFIX_KEYS:
+            params.pop(key, None)
+
 
 if TYPE_CHECKING:
     import torch
@@ -66,6 +82,11 @@ class KVConnectorBase(abc.ABC):
         True when an external source sends the first sampled token with the KV, so no
         prompt token has to be computed here. Default: False."""
         return False
+
+    def has_kv_source(self, request: Request) -> bool:
+        """Whether this connector may bring some of a waiting request's prompt KV (the scheduler
+        then gives it the chance after an offload tier's load). Default: `supplies_first_token`."""
+        return self.supplies_first_token(request)
 
     @abc.abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:

@@ -1,4 +1,5 @@
-"""The decode worker's connector: pulls a prompt's KV from its prefill worker into local blocks.
+"""The pulling connector: a prompt's KV from its prefill worker into a decode worker's blocks, or
+a prompt's leading blocks from whichever worker staged them (a prefix source, any role).
 
 Scheduler side: a waiting request whose `kv_transfer_params` name a prefill worker
 matches asynchronously the prompt tokens past its local prefix-cache hit (which may
@@ -11,6 +12,11 @@ An aborted load is cancelled and reported only once its task has stopped writing
 its blocks are never freed under a write. Each prefill worker gets its own
 `max_concurrent_pulls` slots (a dead one cannot hold up pulls from a healthy one), and a
 pull's deadline counts from when it was started, its wait for a slot included.
+
+A prefix source (`PREFIX_*` in `kv_transfer_params`) brings whole blocks and no first token:
+the request runs from the end of what arrived. It is pulled only when the last block's chained
+hash is the request's own (same tokens, same model and dtype), only once, and a failed pull is
+recomputed whatever the failure policy says (the source was an offer, not a promise).
 """
 
 from __future__ import annotations
@@ -27,7 +33,17 @@ from typing import Any
 import grpc
 import torch
 
-from kvservice.connector.base import REMOTE_ADDRESS, TRANSFER_TOKEN, KVConnectorBase
+from kvservice.connector.base import (
+    PREFIX_ADDRESS,
+    PREFIX_LAST_HASH,
+    PREFIX_NUM_TOKENS,
+    PREFIX_ROLE,
+    PREFIX_TOKEN,
+    REMOTE_ADDRESS,
+    TRANSFER_TOKEN,
+    KVConnectorBase,
+    drop_prefix_source,
+)
 from kvservice.connector.channel_cache import ChannelCache
 from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
 from kvservice.connector.shared_memory import SegmentPool, sweep_orphaned_segments
@@ -36,6 +52,7 @@ from kvservice.core.outputs import (
     KVConnectorStats,
     KVConnectorWorkerMeta,
     KVTransferCounters,
+    PeerPullCounters,
     SchedulerOutput,
 )
 from kvservice.core.request import Request, RequestStatus
@@ -102,6 +119,7 @@ class DecodeKVConnector(KVConnectorBase):
         self.channel_credentials = channel_credentials
         self.on_load_done = on_load_done
         self.stats = KVTransferCounters()
+        self.peer_pulls = PeerPullCounters()  # engine thread
         self._kv_caches: list[torch.Tensor] = []
         self._new_loads: list[LoadSpec] = []  # scheduler side, until the next metadata
         self._loading: dict[str, LoadSpec] = {}  # engine thread: loads started, not yet reported
@@ -131,31 +149,77 @@ class DecodeKVConnector(KVConnectorBase):
     def supplies_first_token(self, request: Request) -> bool:
         return self._has_remote_prefill(request)
 
+    def has_kv_source(self, request: Request) -> bool:
+        return self._has_remote_prefill(request) or _has_prefix_source(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        if not self._has_remote_prefill(request):
-            return 0, False
-        # Possibly 0 (the whole prompt is cached here): the pull still brings the first token.
-        return request.num_prompt_tokens - num_computed_tokens, True
+        if self._has_remote_prefill(request):
+            # Possibly 0 (the whole prompt is cached here): the pull still brings the first token.
+            return request.num_prompt_tokens - num_computed_tokens, True
+        num_prefix_tokens = self._usable_prefix_tokens(request)
+        if num_prefix_tokens > num_computed_tokens:
+            return num_prefix_tokens - num_computed_tokens, True
+        drop_prefix_source(request)  # nothing to pull past what is cached here: never asked again
+        return 0, False
 
     @staticmethod
     def _has_remote_prefill(request: Request) -> bool:
         params = request.kv_transfer_params
         return params is not None and REMOTE_ADDRESS in params and not request.output_token_ids
 
+    def _usable_prefix_tokens(self, request: Request) -> int:
+        """How many leading prompt tokens the request's prefix source brings: 0 unless they are
+        whole blocks, short of its last prompt token, and the last block's hash is its own."""
+        if not _has_prefix_source(request):
+            return 0
+        params = request.kv_transfer_params
+        assert params is not None
+        num_tokens = int(params[PREFIX_NUM_TOKENS])
+        num_blocks, partial = divmod(num_tokens, self.layout.block_size)
+        hashes = request.block_hashes
+        if (
+            partial
+            or not num_blocks
+            or num_tokens >= request.num_prompt_tokens
+            or len(hashes) < num_blocks
+            or hashes[num_blocks - 1] != params[PREFIX_LAST_HASH]
+        ):
+            logger.warning(
+                "request %s: the prefix source %s offers %d tokens that are not this prompt's leading "
+                "blocks; computing them",
+                request.request_id,
+                params[PREFIX_ADDRESS],
+                num_tokens,
+            )
+            return 0
+        return num_tokens
+
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         assert params is not None
-        num_blocks = self.layout.num_blocks_for(request.num_prompt_tokens)
-        self._new_loads.append(
-            LoadSpec(
+        first_block = request.num_computed_tokens // self.layout.block_size
+        if self._has_remote_prefill(request):
+            spec = LoadSpec(
                 request_id=request.request_id,
                 remote_address=params[REMOTE_ADDRESS],
                 transfer_token=params[TRANSFER_TOKEN],
-                block_ids=list(block_ids[:num_blocks]),
+                block_ids=list(block_ids[: self.layout.num_blocks_for(request.num_prompt_tokens)]),
                 num_tokens=request.num_prompt_tokens,
-                first_block=request.num_computed_tokens // self.layout.block_size,
+                first_block=first_block,
             )
-        )
+        else:
+            num_tokens = request.num_computed_tokens + num_external_tokens
+            spec = LoadSpec(
+                request_id=request.request_id,
+                remote_address=params[PREFIX_ADDRESS],
+                transfer_token=params[PREFIX_TOKEN],
+                block_ids=list(block_ids[: num_tokens // self.layout.block_size]),
+                num_tokens=num_tokens,
+                first_block=first_block,
+                sends_first_token=False,
+                source_role=str(params.get(PREFIX_ROLE, "decode")),
+            )
+        self._new_loads.append(spec)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DecodeConnectorMetadata:
         meta = DecodeConnectorMetadata(self._new_loads)
@@ -251,6 +315,11 @@ class DecodeKVConnector(KVConnectorBase):
             spec, result = self._done.popleft()
             self._loading.pop(spec.request_id, None)
             finished_recving.add(spec.request_id)
+            if not spec.sends_first_token:
+                if result.error is None:
+                    self.peer_pulls.count(spec.source_role, len(spec.block_ids) - spec.first_block)
+                    continue
+                self.peer_pulls.num_failed += 1
             if result.error is None and result.first_token_id is not None:
                 self._first_token_ids[spec.request_id] = result.first_token_id
                 if result.has_draft_kv:
@@ -278,7 +347,7 @@ class DecodeKVConnector(KVConnectorBase):
         return self.stats.as_dict()
 
     def make_stats(self) -> KVConnectorStats:
-        return KVConnectorStats(receiving=self.stats.snapshot())
+        return KVConnectorStats(receiving=self.stats.snapshot(), peer_pulls=self.peer_pulls.snapshot())
 
     def shutdown(self) -> None:
         async def close_channels() -> None:
@@ -295,3 +364,8 @@ class DecodeKVConnector(KVConnectorBase):
             except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
                 pass
         self._transfer_loop.close()
+
+
+def _has_prefix_source(request: Request) -> bool:
+    params = request.kv_transfer_params
+    return params is not None and PREFIX_ADDRESS in params and not request.output_token_ids

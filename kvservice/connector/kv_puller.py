@@ -37,6 +37,9 @@ class LoadSpec:
     num_tokens: int  # prompt tokens
     # Blocks before this one are in the local prefix cache already: not pulled.
     first_block: int = 0
+    # False: a prefix source's leading blocks, which come with no first token.
+    sends_first_token: bool = True
+    source_role: str = "prefill"  # the source's role (a prefix source's stats)
 
 
 @dataclass(frozen=True, slots=True)

@@ -150,12 +150,16 @@ class TransferRegistry:
         with self._lock:
             if request_id in self._transfers:
                 return
-            self._rejected.pop(request_id, None)
-            self._rejected[request_id] = (token, error, time.monotonic() + self.lease_seconds)
-            while len(self._rejected) > MAX_REJECTED:
-                del self._rejected[next(iter(self._rejected))]
+            self._remember_rejected(request_id, token, error)
             waiters = self._registration_waiters.pop(request_id, [])
         _wake(waiters)
+
+    def _remember_rejected(self, request_id: str, token: bytes, error: str) -> None:
+        """Under the lock: a later pull of `request_id` with `token` fails at once, for a lease."""
+        self._rejected.pop(request_id, None)
+        self._rejected[request_id] = (token, error, time.monotonic() + self.lease_seconds)
+        while len(self._rejected) > MAX_REJECTED:
+            del self._rejected[next(iter(self._rejected))]
 
     async def wait_until_empty(self) -> None:
         """Return once nothing is staged (pulled, released or expired): a draining worker
@@ -374,6 +378,9 @@ class TransferRegistry:
     def _release(self, transfer: StagedTransfer) -> None:
         with self._lock:
             self._transfers.pop(transfer.request_id, None)
+            # A pull that comes after it (a source that released or expired it) fails at once.
+            why = "already pulled" if transfer.error is None else transfer.error
+            self._remember_rejected(transfer.request_id, transfer.token, f"the transfer is gone ({why})")
             space_waiters = list(self._space_waiters)
         self.pool.release(transfer.buffer)
         _wake(space_waiters)

@@ -212,6 +212,25 @@ class KVTransferCounters:
         return asdict(self)
 
 
+@dataclass(slots=True)
+class PeerPullCounters:
+    """Prompt prefixes pulled from other workers instead of computed, by the source's role (the
+    engine thread's; `snapshot()` for anyone else)."""
+
+    num_blocks_from_prefill: int = 0
+    num_blocks_from_decode: int = 0
+    num_failed: int = 0
+
+    def count(self, source_role: str, num_blocks: int) -> None:
+        if source_role == "prefill":
+            self.num_blocks_from_prefill += num_blocks
+        else:
+            self.num_blocks_from_decode += num_blocks
+
+    def snapshot(self) -> PeerPullCounters:
+        return replace(self)
+
+
 @dataclass(frozen=True, slots=True)
 class StagingStats:
     """A prefill worker's staging pool: KV copied out of the cache, waiting to be pulled."""
@@ -229,3 +248,4 @@ class KVConnectorStats:
     receiving: KVTransferCounters | None = None
     sending: KVTransferCounters | None = None
     staging: StagingStats | None = None
+    peer_pulls: PeerPullCounters | None = None

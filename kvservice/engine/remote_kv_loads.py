@@ -1,7 +1,8 @@
 """Asynchronous KV loads, the scheduler's collaborator: a waiting request whose prompt KV a
 connector supplies parks here with its blocks until the connector reports the load done. No torch.
 
-A decode worker's loads bring the prompt's KV and the first token its prefill worker sampled.
+A decode worker's loads bring the prompt's KV and the first token its prefill worker sampled;
+a prefix source's (any role) bring leading blocks alone, and the request computes the rest.
 `RemoteKVLoads` decides; the `Scheduler` owns the queues and acts on what `take_finished`
 reports (resume, recompute or fail), so the two never reach into each other's state.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Container
 from dataclasses import dataclass, field
 
-from kvservice.connector.base import KVConnectorBase
+from kvservice.connector.base import KVConnectorBase, drop_prefix_source
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.outputs import KVConnectorOutput
 from kvservice.core.request import Request, RequestStatus
@@ -31,6 +32,10 @@ class FinishedLoads:
     with_draft_kv: set[str] = field(default_factory=set)
     # Loads that failed (invalid blocks, no or a bad first token): recompute or fail them.
     failed: list[Request] = field(default_factory=list)
+    # Prefix loads done: the request computes its prompt from the given token on.
+    prefixes: list[tuple[Request, int]] = field(default_factory=list)
+    # Prefix loads that failed: recomputed, whatever the failure policy (a prefix was an offer).
+    prefixes_failed: list[Request] = field(default_factory=list)
 
 
 class RemoteKVLoads:
@@ -41,11 +46,12 @@ class RemoteKVLoads:
         self.connector = connector
         self.vocab_size = vocab_size  # bounds a first token that a remote prefill sends
         self.parked: dict[str, Request] = {}
+        # Of the parked, those loading a prefix alone: where their load ends (in tokens).
+        self.prefix_ends: dict[str, int] = {}
 
     def has_source(self, request: Request) -> bool:
-        """Whether the connector brings this request's prompt KV (a decode worker's pull, which
-        sends the first token with it)."""
-        return self.connector.supplies_first_token(request)
+        """Whether the connector may bring some of this request's prompt KV."""
+        return self.connector.has_kv_source(request)
 
     def try_park(self, request: Request, cached: list[int]) -> bool | None:
         """Park a waiting request whose prompt KV (past its cached prefix) arrives asynchronously.
@@ -61,6 +67,8 @@ class RemoteKVLoads:
         self.connector.update_state_after_alloc(request, block_ids, num_external)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.parked[request.request_id] = request
+        if not self.connector.supplies_first_token(request):
+            self.prefix_ends[request.request_id] = num_cached + num_external
         return True
 
     def take_finished(self, output: KVConnectorOutput, pending_free: Container[str]) -> FinishedLoads:
@@ -75,6 +83,14 @@ class RemoteKVLoads:
         for request_id in output.finished_recving:
             request = self.parked.pop(request_id, None)
             if request is None:
+                continue
+            prefix_end = self.prefix_ends.pop(request_id, None)
+            if prefix_end is not None:
+                drop_prefix_source(request)  # a prefill worker's request keeps its transfer token
+                if request_id in failed_ids:
+                    result.prefixes_failed.append(request)
+                else:
+                    result.prefixes.append((request, prefix_end))
                 continue
             first_token = first_token_ids.get(request_id)
             if request_id in failed_ids or not self._is_valid_first_token(request, first_token):

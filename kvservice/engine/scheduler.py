@@ -272,18 +272,30 @@ class Scheduler:
         if self.tier_loads is None:
             return
         for request, num_computed in self.tier_loads.take_finished():
-            request.num_computed_tokens = num_computed
-            self.kv.cache_full_blocks(request)
             if self.remote_loads is not None and self.remote_loads.has_source(request):
                 # Its prompt's KV comes from elsewhere too: it waits again, first in line, and its
                 # pull starts past the blocks it found (now in the prefix cache, as freed blocks).
-                self.kv.free(request.request_id)
-                request.num_computed_tokens = 0
-                request.status = RequestStatus.WAITING
-                self.waiting.appendleft(request)
+                request.num_computed_tokens = num_computed
+                self.kv.cache_full_blocks(request)
+                self._wait_again(request)
                 continue
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._run_from(request, num_computed)
+
+    def _run_from(self, request: Request, num_computed: int) -> None:
+        """A request whose prompt's leading `num_computed` tokens arrived (from a tier or a peer)
+        computes the rest."""
+        request.num_computed_tokens = num_computed
+        self.kv.cache_full_blocks(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _wait_again(self, request: Request) -> None:
+        """Back to the head of the queue with nothing computed (what it holds stays cached)."""
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_draft_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     def update_from_prompt_lane(self) -> None:
         """Run the requests whose lane batch has ended from their last prompt token; free the
@@ -438,6 +450,10 @@ class Scheduler:
                 request.num_draft_computed_tokens = request.num_prompt_tokens  # it came with the pull
         for request in loads.failed:
             outputs.extend(self._handle_load_failure(request))
+        for request, num_loaded in loads.prefixes:
+            self._run_from(request, num_loaded)
+        for request in loads.prefixes_failed:
+            self._wait_again(request)
         return outputs
 
     def _count_draft_prompt_kv(self, request: Request, is_received: bool) -> None:
@@ -474,11 +490,7 @@ class Scheduler:
             # Start over as a local prefill: the loaded blocks hold nothing valid, and the
             # cached prefix it shares may end where the prompt does, but its last token
             # must now be computed (never into a shared block).
-            self.kv.free(request.request_id)
-            request.num_computed_tokens = 0
-            request.num_draft_computed_tokens = 0
-            request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
+            self._wait_again(request)
             return []
         return self._fail(
             request, "loading the prompt's KV from the prefill worker failed (kv_load_failure_policy=fail)"

@@ -244,7 +244,7 @@ class StatsResponse(_message.Message):
     def __init__(self, role: _Optional[str] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_sending: _Optional[_Union[KVTransferStats, _Mapping]] = ..., kv_receiving: _Optional[_Union[KVTransferStats, _Mapping]] = ..., num_finished_requests: _Optional[int] = ..., num_aborted_requests: _Optional[int] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., spec_decode: _Optional[_Union[SpecDecodeStats, _Mapping]] = ..., num_preemptions: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., compute_path: _Optional[str] = ..., kv_offload: _Optional[_Union[KVOffloadStats, _Mapping]] = ...) -> None: ...
 
 class KVOffloadStats(_message.Message):
-    __slots__ = ("enabled", "num_blocks", "bytes_used", "capacity_bytes", "num_blocks_written", "num_bytes_written", "num_blocks_read", "num_bytes_read", "num_hit_blocks", "num_blocks_dropped", "num_blocks_evicted")
+    __slots__ = ("enabled", "num_blocks", "bytes_used", "capacity_bytes", "num_blocks_written", "num_bytes_written", "num_blocks_read", "num_bytes_read", "num_hit_blocks", "num_blocks_dropped", "num_blocks_evicted", "num_peer_blocks_from_prefill", "num_peer_blocks_from_decode", "num_peer_pulls_failed", "num_blocks_exported")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +256,10 @@ class KVOffloadStats(_message.Message):
     NUM_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PEER_BLOCKS_FROM_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    NUM_PEER_BLOCKS_FROM_DECODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PEER_PULLS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_EXPORTED_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     num_blocks: int
     bytes_used: int
@@ -267,7 +271,11 @@ class KVOffloadStats(_message.Message):
     num_hit_blocks: int
     num_blocks_dropped: int
     num_blocks_evicted: int
-    def __init__(self, enabled: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_blocks_written: _Optional[int] = ..., num_bytes_written: _Optional[int] = ..., num_blocks_read: _Optional[int] = ..., num_bytes_read: _Optional[int] = ..., num_hit_blocks: _Optional[int] = ..., num_blocks_dropped: _Optional[int] = ..., num_blocks_evicted: _Optional[int] = ...) -> None: ...
+    num_peer_blocks_from_prefill: int
+    num_peer_blocks_from_decode: int
+    num_peer_pulls_failed: int
+    num_blocks_exported: int
+    def __init__(self, enabled: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_blocks_written: _Optional[int] = ..., num_bytes_written: _Optional[int] = ..., num_blocks_read: _Optional[int] = ..., num_bytes_read: _Optional[int] = ..., num_hit_blocks: _Optional[int] = ..., num_blocks_dropped: _Optional[int] = ..., num_blocks_evicted: _Optional[int] = ..., num_peer_blocks_from_prefill: _Optional[int] = ..., num_peer_blocks_from_decode: _Optional[int] = ..., num_peer_pulls_failed: _Optional[int] = ..., num_blocks_exported: _Optional[int] = ...) -> None: ...
 
 class PrefixCacheStats(_message.Message):
     __slots__ = ("queries", "hits")
@@ -326,12 +334,46 @@ class KVTransferParams(_message.Message):
     def __init__(self, remote_address: _Optional[str] = ..., transfer_token: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request", "transfer_token")
+    __slots__ = ("request", "transfer_token", "prefix_source")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request: GenerateRequest
     transfer_token: bytes
-    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., transfer_token: _Optional[bytes] = ...) -> None: ...
+    prefix_source: PrefixSource
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., transfer_token: _Optional[bytes] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ...) -> None: ...
+
+class PrefixSource(_message.Message):
+    __slots__ = ("remote_address", "transfer_token", "num_tokens", "last_block_hash", "source_role")
+    REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ROLE_FIELD_NUMBER: _ClassVar[int]
+    remote_address: str
+    transfer_token: bytes
+    num_tokens: int
+    last_block_hash: int
+    source_role: str
+    def __init__(self, remote_address: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., last_block_hash: _Optional[int] = ..., source_role: _Optional[str] = ...) -> None: ...
+
+class ExportKVRequest(_message.Message):
+    __slots__ = ("request_id", "transfer_token", "prompt_token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_token: bytes
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExportKVResponse(_message.Message):
+    __slots__ = ("num_tokens", "last_block_hash")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    last_block_hash: int
+    def __init__(self, num_tokens: _Optional[int] = ..., last_block_hash: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "text", "finish_reason", "num_prompt_tokens", "first_token_logprobs", "prompt_logprobs", "num_cached_tokens", "prompt_token_ids")

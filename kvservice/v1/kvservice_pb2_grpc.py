@@ -212,6 +212,11 @@ class WorkerStub:
                 request_serializer=kvservice_dot_v1_dot_kvservice__pb2.ReleaseKVRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
+        self.ExportKV = channel.unary_unary(
+                '/kvservice.v1.Worker/ExportKV',
+                request_serializer=kvservice_dot_v1_dot_kvservice__pb2.ExportKVRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.ExportKVResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvservice.v1.Worker/Stats',
                 request_serializer=kvservice_dot_v1_dot_kvservice__pb2.StatsRequest.SerializeToString,
@@ -253,7 +258,14 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseKV(self, request, context):
-        """Prefill workers: drop a staged transfer (only with its token).
+        """Drop a staged transfer (only with its token): a prefill's, or an ExportKV's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportKV(self, request, context):
+        """Any worker: stage a prompt's cached leading blocks for another worker to pull.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -295,6 +307,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ReleaseKV,
                     request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.ReleaseKVRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_kvservice__pb2.ReleaseKVResponse.SerializeToString,
+            ),
+            'ExportKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportKV,
+                    request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.ExportKVRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kvservice__pb2.ExportKVResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -415,6 +432,33 @@ class Worker:
             '/kvservice.v1.Worker/ReleaseKV',
             kvservice_dot_v1_dot_kvservice__pb2.ReleaseKVRequest.SerializeToString,
             kvservice_dot_v1_dot_kvservice__pb2.ReleaseKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.Worker/ExportKV',
+            kvservice_dot_v1_dot_kvservice__pb2.ExportKVRequest.SerializeToString,
+            kvservice_dot_v1_dot_kvservice__pb2.ExportKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

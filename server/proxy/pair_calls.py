@@ -40,7 +40,12 @@ class PairCalls:
 
     @classmethod
     def open(
-        cls, prefill_worker: WorkerHandle, decode_worker: WorkerHandle, inner: pb.GenerateRequest, timeout: float
+        cls,
+        prefill_worker: WorkerHandle,
+        decode_worker: WorkerHandle,
+        inner: pb.GenerateRequest,
+        timeout: float,
+        prefix_source: pb.PrefixSource | None = None,
     ) -> PairCalls:
         token = secrets.token_bytes(32)
         kv_params = pb.KVTransferParams(remote_address=prefill_worker.address, transfer_token=token)
@@ -49,7 +54,7 @@ class PairCalls:
         )
         prefill = asyncio.ensure_future(
             prefill_worker.stub.Prefill(
-                pb.PrefillRequest(request=first_sequence(inner), transfer_token=token),
+                pb.PrefillRequest(request=first_sequence(inner), transfer_token=token, prefix_source=prefix_source),
                 timeout=timeout,
                 metadata=prefill_worker.metadata,
             )

@@ -7,12 +7,19 @@
   the worker's cache is free; one in its offload tier costs a load from it, OFFLOAD_LOAD_COST
   of a token each; any other is computed (prefill) or pulled (decode):
     prefill worker: prompt tokens it holds nowhere (what it computes) + the loads
+                    + PEER_PULL_COST per token it would pull from the worker whose cache holds
+                    the longest run of the prompt (a peer pull; see `prefix_source`)
                     + PREFILL_LOAD_TOKENS per outstanding request;
     decode worker:  tokens of the blocks it would pull (prompt blocks past what it holds, the
                     partial last block included) + the loads + DECODE_LOAD_TOKENS per outstanding request.
   Without the prompt's token ids (text or chat and no tokenizer) it is least-loaded.
 Ties go to the next worker in turn, so equal workers share the work. Unhealthy workers are
 never picked.
+
+Peer pulls (kv-aware only): when another worker, of either pool, caches at least
+MIN_PEER_PULL_TOKENS more of the prompt than the chosen prefill worker holds, the route names it
+as the prefix source: the proxy asks it to stage those blocks (ExportKV) and the prefill worker
+pulls them instead of computing them (a decode worker holds the previous turn's answer too).
 
 Conditional disaggregation (`--max-local-prefill-tokens N`, any policy): when the chosen
 decode worker lacks at most N tokens of the prompt, it prefills them itself and no prefill
@@ -47,12 +54,34 @@ DECODE_LOAD_TOKENS = 64
 # the ~0.5 ms a token its prefill costs on two cores. A tenth keeps a store hit far ahead of a
 # recompute, yet behind the same blocks in a worker's cache.
 OFFLOAD_LOAD_COST = 0.1
+# A token's KV pulled from another worker's cache instead of computed: a few hundred microseconds
+# of a local transfer for a 16-token block against ~8 ms of prefill compute, plus the ExportKV call.
+PEER_PULL_COST = 0.2
+# Less than this many more tokens on a peer is not worth the ExportKV round trip and the pull.
+MIN_PEER_PULL_TOKENS = 64
 
 
-def _missing_cost(num_tokens: int, held: PrefixLocation) -> float:
-    """What `num_tokens` of a prompt cost a worker that holds `held` of them: a token computed
-    or pulled for each it holds nowhere, OFFLOAD_LOAD_COST for each in its offload tier."""
-    return num_tokens - held.num_held_tokens + OFFLOAD_LOAD_COST * held.num_offloaded_tokens
+def _missing_cost(num_tokens: int, held: PrefixLocation, num_peer_tokens: int = 0) -> float:
+    """What `num_tokens` of a prompt cost a worker that holds `held` of them when a peer's cache
+    holds the first `num_peer_tokens`: a token computed or pulled for each held nowhere,
+    OFFLOAD_LOAD_COST for each in its offload tier, PEER_PULL_COST for each pulled from the peer."""
+    num_pulled = max(0, num_peer_tokens - held.num_held_tokens)
+    return (
+        num_tokens
+        - held.num_held_tokens
+        - num_pulled
+        + OFFLOAD_LOAD_COST * held.num_offloaded_tokens
+        + PEER_PULL_COST * num_pulled
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixSource:
+    """A worker whose cache holds more of the prompt than the prefill worker: a peer pull's source."""
+
+    worker: WorkerHandle
+    role: str  # its pool's
+    num_cached_tokens: int  # by the proxy's index
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +89,7 @@ class Route:
     decode: WorkerHandle
     prefill: WorkerHandle | None  # None: the decode worker prefills the prompt itself
     num_uncached_tokens: int | None  # prompt tokens the decode worker holds nowhere; None: unknown
+    prefix_source: PrefixSource | None = None  # where the prefill worker pulls the prompt's prefix from
 
 
 class Router:
@@ -108,9 +138,13 @@ class Router:
             num_prompt_tokens = -(-len(token_ids) // block_size) * block_size
             return _missing_cost(num_prompt_tokens, where(worker)) + DECODE_LOAD_TOKENS * worker.num_outstanding
 
+        peer = self._best_cached(token_ids, where) if token_ids is not None and self.policy == "kv-aware" else None
+
         def prefill_cost(worker: WorkerHandle) -> float:
             assert token_ids is not None
-            return _missing_cost(len(token_ids), where(worker)) + PREFILL_LOAD_TOKENS * worker.num_outstanding
+            num_peer_tokens = peer.num_cached_tokens if peer is not None and peer.worker is not worker else 0
+            held = where(worker)
+            return _missing_cost(len(token_ids), held, num_peer_tokens) + PREFILL_LOAD_TOKENS * worker.num_outstanding
 
         decode = self._pick(self.decode, decoders, token_ids, pull_cost)
         num_uncached = (
@@ -124,7 +158,23 @@ class Router:
             return Route(decode, None, num_uncached)
         prefillers = self.prefill.healthy if use_prefill else []
         prefill = self._pick(self.prefill, prefillers, token_ids, prefill_cost) if prefillers else None
-        return Route(decode, prefill, num_uncached)
+        source = None
+        if prefill is not None and peer is not None and peer.worker is not prefill:
+            if peer.num_cached_tokens - where(prefill).num_held_tokens >= MIN_PEER_PULL_TOKENS:
+                source = peer
+        return Route(decode, prefill, num_uncached, source)
+
+    def _best_cached(
+        self, token_ids: Sequence[int], where: Callable[[WorkerHandle], PrefixLocation]
+    ) -> PrefixSource | None:
+        """The healthy worker, of either pool, whose cache holds the longest run of the prompt."""
+        best: PrefixSource | None = None
+        for pool in (self.decode, self.prefill):
+            for worker in pool.healthy:
+                num_cached = where(worker).num_cached_tokens
+                if num_cached and (best is None or num_cached > best.num_cached_tokens):
+                    best = PrefixSource(worker, pool.role or "decode", num_cached)
+        return best
 
     def _pick(
         self,

@@ -24,6 +24,7 @@ from kvservice.server.errors import StreamLost
 from kvservice.server.generation import StreamingGenerationService, new_request_id
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.proxy.pair_calls import PairCalls, after_first_token, first_response, num_sequences
+from kvservice.server.proxy.peer_export import PeerExport, export_prefix
 from kvservice.server.proxy.prompt_tokens import PromptTokens
 from kvservice.server.proxy.router import Router
 from kvservice.server.proxy.stats import cluster_stats
@@ -164,8 +165,15 @@ class ProxyService(StreamingGenerationService):
                     yield response
                 return
             with self.prefill.using(prefill_worker):
-                async for response in self._disaggregated(prefill_worker, decode_worker, inner):
-                    yield response
+                export = None
+                if route.prefix_source is not None and token_ids is not None:
+                    export = await export_prefix(route.prefix_source, inner.request_id, token_ids)
+                try:
+                    async for response in self._disaggregated(prefill_worker, decode_worker, inner, export):
+                        yield response
+                finally:
+                    if export is not None:
+                        await export.release()
 
     async def _decode_only(
         self, decode_worker: WorkerHandle, inner: pb.GenerateRequest
@@ -185,11 +193,17 @@ class ProxyService(StreamingGenerationService):
         self.metrics.requests_prefilled.labels(where).inc()
 
     async def _disaggregated(
-        self, prefill_worker: WorkerHandle, decode_worker: WorkerHandle, inner: pb.GenerateRequest
+        self,
+        prefill_worker: WorkerHandle,
+        decode_worker: WorkerHandle,
+        inner: pb.GenerateRequest,
+        export: PeerExport | None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Prefill on P and decode on D at once: P's first token goes out as soon as it comes,
-        then D's stream without its own copy of that token."""
-        calls = PairCalls.open(prefill_worker, decode_worker, inner, self.request_timeout)
+        then D's stream without its own copy of that token. `export`: a peer staged the prompt's
+        prefix for P to pull."""
+        prefix_source = export.prefix_source if export is not None else None
+        calls = PairCalls.open(prefill_worker, decode_worker, inner, self.request_timeout, prefix_source)
         try:
             first = await calls.first_token()
             if (error := calls.prefill_failed) is not None:
