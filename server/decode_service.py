@@ -28,10 +28,10 @@ from kvservice.engine.async_engine import AsyncLLMEngine
 from kvservice.engine.engine import RequestOutput
 from kvservice.loading.chat_template import Prompt
 from kvservice.server.convert import prompt_from_proto, sampling_params_from_proto
-from kvservice.server.errors import ShuttingDown, abort_with, message_for, status_for
+from kvservice.server.errors import PeerNotAllowed, ShuttingDown, abort_with, message_for, status_for
 from kvservice.server.generation import ResponseConverter, merge_chunk, stream_responses
 from kvservice.server.kv_events import KVEventPublisher
-from kvservice.server.kv_sources import check_kv_peer
+from kvservice.server.kv_sources import check_kv_peer, prefix_source_params
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.worker_service import EngineWorkerService
 from kvservice.v1 import kvservice_pb2 as pb
@@ -164,6 +164,11 @@ class DecodeWorkerService(EngineWorkerService):
             check_kv_peer(source.remote_address, self.kv_peers)
             kv_params = {REMOTE_ADDRESS: source.remote_address, TRANSFER_TOKEN: source.transfer_token}
             logger.info("request_id=%s pulls its KV from %s", inner.request_id, source.remote_address)
+        elif request.HasField("prefix_source"):
+            try:
+                kv_params = prefix_source_params(request.prefix_source, self.kv_peers)
+            except PeerNotAllowed as e:  # an offer this worker may not take: it computes the prompt
+                logger.warning("request_id=%s: not pulling its prefix: %s", inner.request_id, e)
         return prompt, params, kv_params
 
 

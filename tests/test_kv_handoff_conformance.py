@@ -14,6 +14,10 @@ The decode side of each pair runs two engines on the tiny model (tests/pd_pair.p
 decode one pulling through a TCP relay that can drop the stream: every block freed on both
 sides, no staging byte left without waiting for a lease, and the right tokens (pulled or
 recomputed, as `EXPECTED` says) or an abort. Across processes with SIGKILL: tests/test_faults.py.
+
+A peer pull (a prompt's leading blocks that another worker exported) meets the same faults mid-pull:
+the source killed, the stream dropped, the source releasing the blocks (it no longer holds them),
+its lease running out, the client going away. The puller recomputes or aborts, and nothing leaks.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import pytest
 import pytest_asyncio
 import torch
 from pd_pair import (
+    DECODE_PARAMS,
     MAX_STEPS,
     PREFILL_PARAMS,
     PROMPTS,
@@ -44,11 +49,20 @@ from pd_pair import (
 )
 
 from kvservice.connector import wire
-from kvservice.connector.base import TRANSFER_TOKEN
+from kvservice.connector.base import (
+    PREFIX_ADDRESS,
+    PREFIX_LAST_HASH,
+    PREFIX_NUM_TOKENS,
+    PREFIX_ROLE,
+    PREFIX_TOKEN,
+    TRANSFER_TOKEN,
+)
 from kvservice.connector.kv_puller import LoadResult, LoadSpec, pull_kv
-from kvservice.connector.kv_transfer_service import KVTransferService
+from kvservice.connector.kv_transfer_service import KVTransferService, OutgoingChunk
+from kvservice.connector.prefix_export import export_prefix
+from kvservice.connector.shared_memory import RingWriter
 from kvservice.connector.staging import StagingPool
-from kvservice.connector.transfer_registry import StagedTransfer
+from kvservice.connector.transfer_registry import StagedChunk, StagedTransfer
 from kvservice.core.outputs import KVTransferCounters
 from kvservice.engine.engine import RequestOutput
 from kvservice.model.kv_cache import KVCacheLayout, allocate_kv_caches
@@ -494,3 +508,96 @@ async def test_every_decode_state_survives_every_fault(
                 f"{pair.registry.pool.bytes_in_use} staging bytes left after {fault} in {state}"
             ) from None
         assert pair.prefill.num_free_blocks == pair.prefill.num_blocks, "prefill blocks leaked"
+
+
+# ---------------------------------------------------------------- peer pulls
+#
+# The pair's prefill engine is the source: it caches a prefix, exports it, and its PullKV stalls
+# after the first chunk, so that each fault hits a pull in flight. The decode engine pulls the
+# prefix as a prefix source (no first token) and computes the rest of its prompt.
+
+PEER_FAULTS = ["client_abort", "kill_source", "dropped_stream", "source_released", "lease_expiry"]
+PEER_EXPECTED = {
+    "client_abort": "aborted",
+    "kill_source": "recomputed",
+    "dropped_stream": "recomputed",
+    "source_released": "recomputed",
+    "lease_expiry": "pulled",  # a lease never runs out under a streaming pull
+}
+PEER_PROMPT = PROMPTS[4]  # 30 tokens
+PEER_PREFIX = PEER_PROMPT[:24]  # what the source caches: 3 blocks of 8
+
+
+class _StallingService(KVTransferService):
+    """PullKV that sends one chunk, then waits for `resume` before the rest."""
+
+    stalled: asyncio.Event
+    resume: asyncio.Event
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._num_encoded = 0
+
+    async def encode_chunk(
+        self, transfer: StagedTransfer, chunk: StagedChunk, ring: RingWriter | None
+    ) -> OutgoingChunk | None:
+        self._num_encoded += 1
+        if self._num_encoded == 2:
+            self.stalled.set()
+            await self.resume.wait()
+        return await super().encode_chunk(transfer, chunk, ring)
+
+
+async def _inject_peer_fault(pair: Pair, cut: Relay, service: type[_StallingService], fault: str) -> None:
+    if fault == "client_abort":
+        assert pair.decode.abort_request("r")
+    elif fault == "kill_source":
+        await pair.server.stop(None)
+    elif fault == "dropped_stream":
+        cut.cut()
+    elif fault == "source_released":
+        assert pair.registry.release("r", TOKEN)
+    elif fault == "lease_expiry":
+        assert pair.registry.expire(now=time.monotonic() + 2 * pair.registry.lease_seconds) == []
+    service.resume.set()
+
+
+@pytest.mark.parametrize("fault", PEER_FAULTS)
+async def test_a_peer_pull_survives_every_fault(fault: str, reference: list[list[int]]) -> None:
+    expected = PEER_EXPECTED[fault]
+    service = cast(
+        type[_StallingService],
+        type("Stalling", (_StallingService,), {"stalled": asyncio.Event(), "resume": asyncio.Event()}),
+    )
+    async with pd_pair(service=service) as pair, relay(pair.address) as cut:
+        pair.prefill.add_request(PEER_PREFIX, PREFILL_PARAMS, "warm", None)
+        await drive_prefill(pair)
+        core = pair.prefill.core
+        exported = export_prefix(core.scheduler.kv, core.kv_caches, pair.registry, "r", TOKEN, PEER_PROMPT)
+        assert exported.num_tokens == len(PEER_PREFIX)
+        params = {
+            PREFIX_ADDRESS: cut.address,
+            PREFIX_TOKEN: TOKEN,
+            PREFIX_NUM_TOKENS: exported.num_tokens,
+            PREFIX_LAST_HASH: exported.last_block_hash,
+            PREFIX_ROLE: "prefill",
+        }
+        pair.decode.add_request(PEER_PROMPT, DECODE_PARAMS, "r", params)
+        await asyncio.to_thread(pair.decode.step)  # blocks allocated, the pull started
+        await asyncio.wait_for(service.stalled.wait(), WAIT)
+        await _inject_peer_fault(pair, cut, service, fault)
+        out = (await asyncio.wait_for(drive_decode(pair), WAIT))["r"]
+        peer_pulls = pair.decode_connector.peer_pulls
+        if expected == "aborted":
+            assert out.finish_reason == "abort", out
+        else:
+            assert out.error is None and out.token_ids == reference[4], out
+            assert peer_pulls.num_failed == (expected == "recomputed"), peer_pulls
+            assert peer_pulls.num_blocks_from_prefill == (3 if expected == "pulled" else 0), peer_pulls
+        engine = pair.decode
+        assert engine.num_free_blocks == engine.num_blocks and engine.core.scheduler.kv.block_tables == {}
+        if fault == "kill_source":
+            return  # its staging died with it
+        pair.registry.release("r", TOKEN)  # the proxy's release once the request is done
+        await asyncio.wait_for(pair.registry.wait_until_empty(), WAIT)
+        assert pair.prefill.num_free_blocks == pair.prefill.num_blocks

@@ -33,6 +33,9 @@ from kvservice.client.client import KVServiceClient
 from kvservice.connector.base import PREFIX_ADDRESS, PREFIX_LAST_HASH, PREFIX_NUM_TOKENS, PREFIX_ROLE, PREFIX_TOKEN
 from kvservice.connector.prefix_export import NOTHING_EXPORTED, ExportedPrefix, export_prefix
 from kvservice.engine.llm import LLM
+from kvservice.server.errors import PeerNotAllowed
+from kvservice.server.kv_sources import prefix_source_params
+from kvservice.v1 import kvservice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -189,3 +192,16 @@ async def test_the_prefill_worker_pulls_the_previous_turns_answer_from_the_decod
         assert stats[prefill].kv_offload.num_peer_pulls_failed == 0
         assert stats[decode].kv_offload.num_blocks_exported == 15
         assert stats[prefill].prefix_cache.hits >= len(turn1)
+
+
+def test_a_prefix_source_is_checked_like_any_kv_peer() -> None:
+    source = pb.PrefixSource(remote_address="127.0.0.1:9", transfer_token=b"t", num_tokens=16, last_block_hash=5)
+    params = prefix_source_params(source, frozenset({"127.0.0.1:9"}))
+    assert params[PREFIX_ADDRESS] == "127.0.0.1:9" and params[PREFIX_NUM_TOKENS] == 16
+    assert params[PREFIX_LAST_HASH] == 5 and params[PREFIX_ROLE] == "decode"  # unnamed: not a prefill worker
+    with pytest.raises(PeerNotAllowed, match="--kv-peers"):
+        prefix_source_params(source, frozenset({"127.0.0.1:10"}))
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        prefix_source_params(pb.PrefixSource(remote_address="unix:/tmp/s", transfer_token=b"t", num_tokens=16))
+    with pytest.raises(ValueError, match="required"):
+        prefix_source_params(pb.PrefixSource(remote_address="127.0.0.1:9", num_tokens=16))

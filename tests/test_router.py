@@ -11,7 +11,7 @@ import pytest_asyncio
 from kvservice.core.block_hash import block_hashes
 from kvservice.server.errors import NoWorkerAvailable
 from kvservice.server.proxy.kv_index import KVBlockIndex
-from kvservice.server.proxy.router import DECODE_LOAD_TOKENS, Router
+from kvservice.server.proxy.router import DECODE_LOAD_TOKENS, MIN_PEER_PULL_TOKENS, Router
 from kvservice.server.proxy.worker_pool import WorkerHandle, WorkerPool
 from kvservice.v1 import kvservice_pb2 as pb
 
@@ -162,3 +162,53 @@ async def test_the_index_finds_a_cache_run_then_a_tier_run_as_the_worker_looks_u
     assert index.locate_blocks(hashes) == (0, 0)  # block 0 is in neither now
     assert index.apply(pb.KVEventBatch(seq=7, is_snapshot=True, block_size=BLOCK_SIZE, hash_seed=SEED))
     assert index.block_hashes == set() and index.offload_hashes == set()  # a snapshot replaces both
+
+
+ANSWER = list(range(200, 296))  # the previous turn's answer: 6 blocks
+
+
+async def test_the_decode_worker_that_served_the_last_turn_is_the_prefill_workers_prefix_source(
+    pools: tuple[WorkerPool, WorkerPool],
+) -> None:
+    prefill, decode = pools
+    [p] = prefill.workers
+    d0, d1 = decode.workers
+    hold(p, PREFIX)  # the last turn's prompt
+    hold(d1, PREFIX + ANSWER)  # and its answer
+    route = Router(prefill, decode, "kv-aware").route(PREFIX + ANSWER + [7] * 8)
+    assert route.prefill is p and route.decode is d1
+    assert route.prefix_source is not None
+    assert route.prefix_source.worker is d1 and route.prefix_source.role == "decode"
+    assert route.prefix_source.num_cached_tokens == len(PREFIX + ANSWER)
+
+
+async def test_a_peer_holding_little_more_than_the_prefill_worker_is_no_source(
+    pools: tuple[WorkerPool, WorkerPool],
+) -> None:
+    prefill, decode = pools
+    [p] = prefill.workers
+    hold(p, PREFIX)
+    short_answer = ANSWER[: MIN_PEER_PULL_TOKENS - BLOCK_SIZE]
+    hold(decode.workers[1], PREFIX + short_answer)
+    route = Router(prefill, decode, "kv-aware").route(PREFIX + short_answer + [7] * 8)
+    assert route.prefix_source is None
+
+
+async def test_a_migrated_stream_pulls_its_prompt_from_the_prefill_worker_only(
+    pools: tuple[WorkerPool, WorkerPool],
+) -> None:
+    prefill, decode = pools
+    [p] = prefill.workers
+    d0, d1 = decode.workers
+    hold(p, PREFIX)
+    hold(d1, PREFIX + ANSWER)  # more, but a decode worker's --kv-peers allows prefill workers only
+    route = Router(prefill, decode, "kv-aware").route(PREFIX + [7], exclude_decode={d1.address}, use_prefill=False)
+    assert route.decode is d0 and route.prefill is None
+    assert route.prefix_source is not None and route.prefix_source.worker is p
+    assert route.prefix_source.role == "prefill"
+
+
+async def test_round_robin_names_no_prefix_source(pools: tuple[WorkerPool, WorkerPool]) -> None:
+    prefill, decode = pools
+    hold(decode.workers[1], PREFIX + ANSWER)
+    assert Router(prefill, decode, "round-robin").route(PREFIX + ANSWER + [7]).prefix_source is None

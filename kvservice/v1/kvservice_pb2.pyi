@@ -398,12 +398,14 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request", "kv_transfer_params")
+    __slots__ = ("request", "kv_transfer_params", "prefix_source")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request: GenerateRequest
     kv_transfer_params: KVTransferParams
-    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
+    prefix_source: PrefixSource
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ...) -> None: ...
 
 class DecodeStreamRequest(_message.Message):
     __slots__ = ("start", "cancel")

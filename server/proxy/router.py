@@ -17,9 +17,12 @@ Ties go to the next worker in turn, so equal workers share the work. Unhealthy w
 never picked.
 
 Peer pulls (kv-aware only): when another worker, of either pool, caches at least
-MIN_PEER_PULL_TOKENS more of the prompt than the chosen prefill worker holds, the route names it
-as the prefix source: the proxy asks it to stage those blocks (ExportKV) and the prefill worker
-pulls them instead of computing them (a decode worker holds the previous turn's answer too).
+MIN_PEER_PULL_TOKENS more of the prompt than the worker that computes it holds (the prefill
+worker, or the decode worker that prefills itself), the route names it as the prefix source:
+the proxy asks it to stage those blocks (ExportKV) and that worker pulls them instead of
+computing them (a decode worker holds the previous turn's answer too; a migrated stream's new
+decode worker finds its prompt on the prefill worker). A decode worker is offered prefill workers
+only, the peers its --kv-peers allows as `launch` starts it.
 
 Conditional disaggregation (`--max-local-prefill-tokens N`, any policy): when the chosen
 decode worker lacks at most N tokens of the prompt, it prefills them itself and no prefill
@@ -89,7 +92,9 @@ class Route:
     decode: WorkerHandle
     prefill: WorkerHandle | None  # None: the decode worker prefills the prompt itself
     num_uncached_tokens: int | None  # prompt tokens the decode worker holds nowhere; None: unknown
-    prefix_source: PrefixSource | None = None  # where the prefill worker pulls the prompt's prefix from
+    # Where the worker that computes the prompt (the prefill worker, else the decode worker) pulls
+    # the prompt's prefix from.
+    prefix_source: PrefixSource | None = None
 
 
 class Router:
@@ -150,30 +155,38 @@ class Router:
         num_uncached = (
             len(token_ids) - where(decode).num_held_tokens if token_ids is not None and self.needs_kv_events else None
         )
-        if (
+        prefill = None
+        if not (
             num_uncached is not None
             and 0 < self.max_local_prefill_tokens
             and num_uncached <= self.max_local_prefill_tokens
         ):
-            return Route(decode, None, num_uncached)
-        prefillers = self.prefill.healthy if use_prefill else []
-        prefill = self._pick(self.prefill, prefillers, token_ids, prefill_cost) if prefillers else None
+            prefillers = self.prefill.healthy if use_prefill else []
+            prefill = self._pick(self.prefill, prefillers, token_ids, prefill_cost) if prefillers else None
+        # The worker that computes the prompt pulls from the peer that caches more of it. A decode
+        # worker pulls only from a prefill worker: its --kv-peers (as `launch` sets it) allows no other.
+        computing = prefill if prefill is not None else decode
+        if prefill is None and peer is not None and token_ids is not None:
+            peer = self._best_cached(token_ids, where, ("prefill",))
         source = None
-        if prefill is not None and peer is not None and peer.worker is not prefill:
-            if peer.num_cached_tokens - where(prefill).num_held_tokens >= MIN_PEER_PULL_TOKENS:
+        if peer is not None and peer.worker is not computing:
+            if peer.num_cached_tokens - where(computing).num_held_tokens >= MIN_PEER_PULL_TOKENS:
                 source = peer
         return Route(decode, prefill, num_uncached, source)
 
     def _best_cached(
-        self, token_ids: Sequence[int], where: Callable[[WorkerHandle], PrefixLocation]
+        self,
+        token_ids: Sequence[int],
+        where: Callable[[WorkerHandle], PrefixLocation],
+        roles: Sequence[str] = ("decode", "prefill"),
     ) -> PrefixSource | None:
-        """The healthy worker, of either pool, whose cache holds the longest run of the prompt."""
+        """The healthy worker of the pools of `roles` whose cache holds the longest run of the prompt."""
         best: PrefixSource | None = None
-        for pool in (self.decode, self.prefill):
-            for worker in pool.healthy:
+        for role in roles:
+            for worker in (self.decode if role == "decode" else self.prefill).healthy:
                 num_cached = where(worker).num_cached_tokens
                 if num_cached and (best is None or num_cached > best.num_cached_tokens):
-                    best = PrefixSource(worker, pool.role or "decode", num_cached)
+                    best = PrefixSource(worker, role, num_cached)
         return best
 
     def _pick(

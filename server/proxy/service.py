@@ -24,7 +24,7 @@ from kvservice.server.errors import StreamLost
 from kvservice.server.generation import StreamingGenerationService, new_request_id
 from kvservice.server.metrics import ServerMetrics
 from kvservice.server.proxy.pair_calls import PairCalls, after_first_token, first_response, num_sequences
-from kvservice.server.proxy.peer_export import PeerExport, export_prefix
+from kvservice.server.proxy.peer_export import export_prefix
 from kvservice.server.proxy.prompt_tokens import PromptTokens
 from kvservice.server.proxy.router import Router
 from kvservice.server.proxy.stats import cluster_stats
@@ -159,26 +159,28 @@ class ProxyService(StreamingGenerationService):
             decode_worker.address,
             route.num_uncached_tokens if route.num_uncached_tokens is not None else "?",
         )
-        with self.decode.using(decode_worker):
-            if prefill_worker is None:
-                async for response in self._decode_only(decode_worker, inner):
-                    yield response
-                return
-            with self.prefill.using(prefill_worker):
-                export = None
-                if route.prefix_source is not None and token_ids is not None:
-                    export = await export_prefix(route.prefix_source, inner.request_id, token_ids)
-                try:
-                    async for response in self._disaggregated(prefill_worker, decode_worker, inner, export):
+        export = None
+        if route.prefix_source is not None and token_ids is not None:
+            export = await export_prefix(route.prefix_source, inner.request_id, token_ids)
+        prefix_source = export.prefix_source if export is not None else None
+        try:
+            with self.decode.using(decode_worker):
+                if prefill_worker is None:
+                    async for response in self._decode_only(decode_worker, inner, prefix_source):
                         yield response
-                finally:
-                    if export is not None:
-                        await export.release()
+                    return
+                with self.prefill.using(prefill_worker):
+                    async for response in self._disaggregated(prefill_worker, decode_worker, inner, prefix_source):
+                        yield response
+        finally:
+            if export is not None:
+                await export.release()
 
     async def _decode_only(
-        self, decode_worker: WorkerHandle, inner: pb.GenerateRequest
+        self, decode_worker: WorkerHandle, inner: pb.GenerateRequest, prefix_source: pb.PrefixSource | None
     ) -> AsyncIterator[pb.GenerateResponse]:
-        call = decode_worker.decode_streams.open(pb.DecodeRequest(request=inner), self.request_timeout)
+        request = pb.DecodeRequest(request=inner, prefix_source=prefix_source)
+        call = decode_worker.decode_streams.open(request, self.request_timeout)
         try:
             async for response in self._counted_on_first_token(call.__aiter__(), "decode_worker"):
                 yield response
@@ -197,12 +199,11 @@ class ProxyService(StreamingGenerationService):
         prefill_worker: WorkerHandle,
         decode_worker: WorkerHandle,
         inner: pb.GenerateRequest,
-        export: PeerExport | None,
+        prefix_source: pb.PrefixSource | None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Prefill on P and decode on D at once: P's first token goes out as soon as it comes,
-        then D's stream without its own copy of that token. `export`: a peer staged the prompt's
-        prefix for P to pull."""
-        prefix_source = export.prefix_source if export is not None else None
+        then D's stream without its own copy of that token. `prefix_source`: a peer staged the
+        prompt's prefix for P to pull."""
         calls = PairCalls.open(prefill_worker, decode_worker, inner, self.request_timeout, prefix_source)
         try:
             first = await calls.first_token()
