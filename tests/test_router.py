@@ -9,9 +9,10 @@ import pytest
 import pytest_asyncio
 
 from kvservice.core.block_hash import block_hashes
+from kvservice.runtime.routing_args import DEFAULT_PEER_PULL_MIN_TOKENS
 from kvservice.server.errors import NoWorkerAvailable
 from kvservice.server.proxy.kv_index import KVBlockIndex
-from kvservice.server.proxy.router import DECODE_LOAD_TOKENS, MIN_PEER_PULL_TOKENS, Router
+from kvservice.server.proxy.router import DECODE_LOAD_TOKENS, Router
 from kvservice.server.proxy.worker_pool import WorkerHandle, WorkerPool
 from kvservice.v1 import kvservice_pb2 as pb
 
@@ -188,7 +189,7 @@ async def test_a_peer_holding_little_more_than_the_prefill_worker_is_no_source(
     prefill, decode = pools
     [p] = prefill.workers
     hold(p, PREFIX)
-    short_answer = ANSWER[: MIN_PEER_PULL_TOKENS - BLOCK_SIZE]
+    short_answer = ANSWER[: DEFAULT_PEER_PULL_MIN_TOKENS - BLOCK_SIZE]
     hold(decode.workers[1], PREFIX + short_answer)
     route = Router(prefill, decode, "kv-aware").route(PREFIX + short_answer + [7] * 8)
     assert route.prefix_source is None
@@ -208,7 +209,9 @@ async def test_a_migrated_stream_pulls_its_prompt_from_the_prefill_worker_only(
     assert route.prefix_source.role == "prefill"
 
 
-async def test_round_robin_names_no_prefix_source(pools: tuple[WorkerPool, WorkerPool]) -> None:
+async def test_round_robin_or_a_zero_minimum_names_no_prefix_source(pools: tuple[WorkerPool, WorkerPool]) -> None:
     prefill, decode = pools
     hold(decode.workers[1], PREFIX + ANSWER)
     assert Router(prefill, decode, "round-robin").route(PREFIX + ANSWER + [7]).prefix_source is None
+    no_pulls = Router(prefill, decode, "kv-aware", peer_pull_min_tokens=0)
+    assert no_pulls.route(PREFIX + ANSWER + [7]).prefix_source is None

@@ -38,6 +38,7 @@ from kvservice.client.client import KVServiceClient
 from kvservice.client.cluster import LocalCluster
 
 RUNS = ("tier off", "tier on", "tier on, restarted")
+NO_PEER_PULLS = "tier off, no peer pulls"  # --compare-peer-pulls: the proxy's --peer-pull-min-tokens 0
 DEPLOYMENTS = ("colocated", "1p2d")
 
 
@@ -79,6 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-concurrency", type=int, default=1, help="with --interleave: requests in flight (default: 1)"
     )
+    parser.add_argument(
+        "--compare-peer-pulls",
+        action="store_true",
+        help=f"first a run with the tier off and peer pulls off too ('{NO_PEER_PULLS}'), beside which 'tier off' "
+        "shows what peer pulls save (1p2d: a prefill worker pulls a conversation's history from the decode worker "
+        "that served its last turn)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -95,14 +103,15 @@ async def _run_all(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     worker_args = ["--kv-cache-mib", str(args.kv_cache_mib), "--max-model-len", str(_max_len(args))]
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="kvservice-offload-") as store:
-        for name in RUNS:
-            offload = {} if name == "tier off" else {"kv_offload_dir": store, "kv_offload_gib": args.kv_offload_gib}
+        for name in _runs(args):
+            offload = {"kv_offload_dir": store, "kv_offload_gib": args.kv_offload_gib} if "tier on" in name else {}
             print(f"{name}: starting", file=sys.stderr, flush=True)
             cluster = LocalCluster(
                 args.model,
                 num_decode=2,
                 colocated=args.deployment == "colocated",
                 worker_args=worker_args,
+                proxy_args=["--peer-pull-min-tokens", "0"] if name == NO_PEER_PULLS else [],
                 **offload,  # type: ignore[arg-type]
             )
             async with cluster:
@@ -158,6 +167,10 @@ async def run_interleaved(
         await asyncio.gather(*(send(i, turn) for i, c in enumerate(conversations) if turn < len(c.turns)))
     flat = [record for history in records for record in history]
     return compute_metrics(flat, time.perf_counter() - start), flat
+
+
+def _runs(args: argparse.Namespace) -> tuple[str, ...]:
+    return (NO_PEER_PULLS, *RUNS) if args.compare_peer_pulls else RUNS
 
 
 def _max_len(args: argparse.Namespace) -> int:
@@ -226,13 +239,14 @@ def _report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> Non
         f"{args.deployment}, KV cache {args.kv_cache_mib} MiB a worker, "
         f"{_arrivals(args)}:"
     )
-    print(f"  {'turn':<6}" + "".join(f"{name + ' TTFT mean / p99 (ms)':>40}" for name in RUNS))
+    runs = _runs(args)
+    print(f"  {'turn':<6}" + "".join(f"{name + ' TTFT mean / p99 (ms)':>40}" for name in runs))
     for turn in range(args.turns):
         cells = [
-            f"{_ms(results[n]['mean_ttft_ms'], turn):16.0f} / {_ms(results[n]['p99_ttft_ms'], turn):6.0f}" for n in RUNS
+            f"{_ms(results[n]['mean_ttft_ms'], turn):16.0f} / {_ms(results[n]['p99_ttft_ms'], turn):6.0f}" for n in runs
         ]
         print(f"  {turn:<6}" + "".join(f"{c:>40}" for c in cells))
-    for name in RUNS:
+    for name in runs:
         r = results[name]
         print(
             f"  {name}: {r['output_tok_per_s']:.1f} output tok/s, "
@@ -250,3 +264,7 @@ def _report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> Non
         speedups = ", ".join(f"{_ms(off, t) / _ms(on, t):.2f}x" for t in later)
         print(f"  later turns, tier on vs off (mean TTFT): {speedups} (goal: >= 3x)")
         print(f"  first turns, restarted vs cold: {_ms(on, 0) / _ms(warm, 0):.2f}x (goal: >= 3x)")
+    if NO_PEER_PULLS in results:
+        without = results[NO_PEER_PULLS]["mean_ttft_ms"]
+        speedups = ", ".join(f"{_ms(without, t) / _ms(off, t):.2f}x" for t in range(1, args.turns))
+        print(f"  later turns, peer pulls on vs off (tier off, mean TTFT): {speedups}")

@@ -12,6 +12,8 @@ DEFAULT_ROUTING = "kv-aware"
 # transfer (1.15x), so the default keeps every request disaggregated. (The tiny model's
 # crossover is 256 tokens; SmolLM2's with one running stream, 16.)
 DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 0
+# Less than this many more tokens on a peer's cache is not worth the ExportKV round trip and a pull.
+DEFAULT_PEER_PULL_MIN_TOKENS = 64
 
 
 def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,11 +37,28 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {DEFAULT_MAX_LOCAL_PREFILL_TOKENS}: the crossover `kvservice bench local-prefill` measured for "
         "SmolLM2 on a 2-core CPU; measure yours the same way)",
     )
+    parser.add_argument(
+        "--peer-pull-min-tokens",
+        type=_non_negative_int,
+        default=DEFAULT_PEER_PULL_MIN_TOKENS,
+        metavar="N",
+        help="peer pulls (kv-aware): when another worker's cache holds at least N more of a prompt than the worker "
+        "that computes it, that worker pulls those blocks from it instead of computing them (a conversation's "
+        "history from the decode worker that served its last turn); 0 disables "
+        f"(default: {DEFAULT_PEER_PULL_MIN_TOKENS})",
+    )
 
 
 def routing_argv(args: argparse.Namespace) -> list[str]:
     """The routing flags of `args` as proxy arguments."""
-    return ["--routing", args.routing, "--max-local-prefill-tokens", str(args.max_local_prefill_tokens)]
+    return [
+        "--routing",
+        args.routing,
+        "--max-local-prefill-tokens",
+        str(args.max_local_prefill_tokens),
+        "--peer-pull-min-tokens",
+        str(args.peer_pull_min_tokens),
+    ]
 
 
 def _non_negative_int(value: str) -> int:

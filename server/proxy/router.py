@@ -17,7 +17,7 @@ Ties go to the next worker in turn, so equal workers share the work. Unhealthy w
 never picked.
 
 Peer pulls (kv-aware only): when another worker, of either pool, caches at least
-MIN_PEER_PULL_TOKENS more of the prompt than the worker that computes it holds (the prefill
+`--peer-pull-min-tokens` (64) more of the prompt than the worker that computes it holds (the prefill
 worker, or the decode worker that prefills itself), the route names it as the prefix source:
 the proxy asks it to stage those blocks (ExportKV) and that worker pulls them instead of
 computing them (a decode worker holds the previous turn's answer too; a migrated stream's new
@@ -36,7 +36,12 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvservice.runtime.routing_args import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_ROUTING, ROUTING_POLICIES
+from kvservice.runtime.routing_args import (
+    DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+    DEFAULT_PEER_PULL_MIN_TOKENS,
+    DEFAULT_ROUTING,
+    ROUTING_POLICIES,
+)
 from kvservice.server.errors import NoWorkerAvailable
 from kvservice.server.proxy.kv_index import PrefixLocation
 from kvservice.server.proxy.worker_pool import WorkerHandle, WorkerPool
@@ -60,8 +65,6 @@ OFFLOAD_LOAD_COST = 0.1
 # A token's KV pulled from another worker's cache instead of computed: a few hundred microseconds
 # of a local transfer for a 16-token block against ~8 ms of prefill compute, plus the ExportKV call.
 PEER_PULL_COST = 0.2
-# Less than this many more tokens on a peer is not worth the ExportKV round trip and the pull.
-MIN_PEER_PULL_TOKENS = 64
 
 
 def _missing_cost(num_tokens: int, held: PrefixLocation, num_peer_tokens: int = 0) -> float:
@@ -104,6 +107,7 @@ class Router:
         decode: WorkerPool,
         policy: str = DEFAULT_ROUTING,
         max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+        peer_pull_min_tokens: int = DEFAULT_PEER_PULL_MIN_TOKENS,
     ) -> None:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing: expected one of {', '.join(ROUTING_POLICIES)}, got {policy!r}")
@@ -113,6 +117,7 @@ class Router:
         self.decode = decode
         self.policy = policy
         self.max_local_prefill_tokens = max_local_prefill_tokens
+        self.peer_pull_min_tokens = peer_pull_min_tokens  # 0: no peer pulls
         self._turns = {id(prefill): itertools.count(), id(decode): itertools.count()}
 
     @property
@@ -143,7 +148,9 @@ class Router:
             num_prompt_tokens = -(-len(token_ids) // block_size) * block_size
             return _missing_cost(num_prompt_tokens, where(worker)) + DECODE_LOAD_TOKENS * worker.num_outstanding
 
-        peer = self._best_cached(token_ids, where) if token_ids is not None and self.policy == "kv-aware" else None
+        peer = None
+        if token_ids is not None and self.policy == "kv-aware" and self.peer_pull_min_tokens:
+            peer = self._best_cached(token_ids, where)
 
         def prefill_cost(worker: WorkerHandle) -> float:
             assert token_ids is not None
@@ -170,7 +177,7 @@ class Router:
             peer = self._best_cached(token_ids, where, ("prefill",))
         source = None
         if peer is not None and peer.worker is not computing:
-            if peer.num_cached_tokens - where(computing).num_held_tokens >= MIN_PEER_PULL_TOKENS:
+            if peer.num_cached_tokens - where(computing).num_held_tokens >= self.peer_pull_min_tokens:
                 source = peer
         return Route(decode, prefill, num_uncached, source)
 

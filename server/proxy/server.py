@@ -164,7 +164,7 @@ async def serve(args: argparse.Namespace) -> int:
     decode = WorkerPool(args.decode, channel_credentials, args.auth_token, role="decode")
     metrics = ServerMetrics("proxy")
     _export_membership(metrics, prefill, decode)
-    router = Router(prefill, decode, args.routing, args.max_local_prefill_tokens)
+    router = Router(prefill, decode, args.routing, args.max_local_prefill_tokens, args.peer_pull_min_tokens)
     service = ProxyService(
         prefill,
         decode,
