@@ -3,7 +3,8 @@
 `kvservice launch`, the demo, the benchmarks and the tests all start servers through it: every child
 listens on a port the OS picks and prints it on its ready line; prefill and decode workers start
 together, and the decode workers read the prefill workers' addresses from stdin once those are
-ready (`--kv-peers -`: the only prefill workers they may dial), so their start-ups overlap;
+ready (`--kv-peers -`: the only workers they may dial), so their start-ups overlap, and then each
+other's (a second line: the decode workers a prefix may be pulled from);
 prefill and decode workers that may run on the same cores take turns on them through a
 `--core-lease` file (`kvservice.worker.core_lease`); the cluster is ready when the proxy's health
 check says SERVING; stopping sends SIGTERM (graceful drain), then SIGKILL to anything still alive
@@ -125,12 +126,11 @@ class LocalCluster:
             ]
             await asyncio.gather(*(self._ready(child) for child in prefills))
             if kv_peers:
-                line = " ".join(self.prefill_addresses) + "\n"
-                for child in decodes:
-                    assert child.process.stdin is not None
-                    child.process.stdin.write(line.encode())
-                    child.process.stdin.close()
+                _tell(decodes, self.prefill_addresses)
             await asyncio.gather(*(self._ready(child) for child in decodes))
+            if kv_peers:
+                # Then each other: a decode worker may pull a prefix another one caches.
+                _tell(decodes, self.decode_addresses, last=True)
             # Every worker opened the lease file before it reported ready, and the locks live on
             # those open files: the name can go now, so that even a SIGKILLed launcher leaves
             # nothing in /dev/shm.
@@ -268,3 +268,16 @@ def die_with_parent(parent: int) -> None:
 async def _drain(stream: asyncio.StreamReader) -> None:
     while await stream.readline():
         pass
+
+
+def _tell(children: Sequence[ChildProcess], addresses: Sequence[str], last: bool = False) -> None:
+    """Write one line of `addresses` to each child's stdin (`--kv-peers -`); `last`: then close it."""
+    line = (" ".join(addresses) + "\n").encode()
+    for child in children:
+        stdin = child.process.stdin
+        assert stdin is not None
+        if stdin.is_closing():
+            continue
+        stdin.write(line)
+        if last:
+            stdin.close()

@@ -97,6 +97,11 @@ class DecodeWorkerService(EngineWorkerService):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def allow_kv_peers(self, peers: frozenset[str]) -> None:
+        """More workers this one may pull from (`--kv-peers -`: a later line of stdin)."""
+        if self.kv_peers is not None:
+            self.kv_peers = self.kv_peers | peers
+
     def drain(self) -> None:
         """Take no new requests on the open streams; each ends once its requests have."""
         self.is_draining = True

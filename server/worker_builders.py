@@ -17,6 +17,7 @@ import logging
 import os
 import pathlib
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -142,6 +143,8 @@ async def build_decode_worker(
         registry=registry,
     )
     pb_grpc.add_WorkerServicer_to_server(service, server.server)
+    if args.kv_peers == ["-"]:
+        read_more_kv_peers(service.allow_kv_peers)
 
     async def drain() -> None:
         service.drain()  # DecodeStreams never end by themselves: each ends once its requests have
@@ -192,6 +195,20 @@ def _pulling_connector(args: argparse.Namespace, layout: KVCacheLayout, tls: TLS
 
 
 ROLE_BUILDERS = {"prefill": build_prefill_worker, "decode": build_decode_worker, "both": build_colocated_worker}
+
+
+def read_more_kv_peers(add: Callable[[frozenset[str]], None]) -> None:
+    """`--kv-peers -`, after the first line: every further line of stdin is more peers (the
+    launcher's decode workers, once they are ready), passed to `add` on the caller's event loop
+    until stdin ends. A daemon thread reads them: it never holds up the worker's exit."""
+    loop = asyncio.get_running_loop()
+
+    def read() -> None:
+        for line in sys.stdin:
+            if peers := frozenset(line.split()):
+                loop.call_soon_threadsafe(add, peers)
+
+    threading.Thread(target=read, name="kv-peers-stdin", daemon=True).start()
 
 
 async def read_kv_peers(given: list[str] | None) -> frozenset[str] | None:

@@ -140,9 +140,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="HOST:PORT",
-        help="decode side: the only prefill workers KV may be pulled from (default: any a request names; "
-        "with --auth-token only authenticated requests name one); '-': read them from the first line of stdin "
-        "once the model has loaded (how `kvservice launch` starts decode workers while its prefill workers still load)",
+        help="decode side: the only workers KV may be pulled from, prefill workers and the peers a prompt's prefix "
+        "comes from (default: any a request names; with --auth-token only authenticated requests name one); '-': "
+        "read them from the first line of stdin once the model has loaded, and add every later line (how `kvservice "
+        "launch` starts decode workers while its prefill workers still load, then tells them about each other)",
     )
     add_engine_arguments(parser)
     add_tls_arguments(parser)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
+import grpc
 import pytest
-from conftest import local_cluster, tiny_greedy, wait_for, wait_for_stats, worker_stats
+from conftest import all_worker_stats, local_cluster, tiny_greedy, wait_for, wait_for_stats, worker_stats
 from pd_pair import (
     BLOCK_SIZE,
     DECODE_PARAMS,
@@ -29,13 +30,14 @@ from pd_pair import (
     pd_pair,
 )
 
-from kvservice.client.client import KVServiceClient
+from kvservice.client.client import KVServiceClient, build_request
 from kvservice.connector.base import PREFIX_ADDRESS, PREFIX_LAST_HASH, PREFIX_NUM_TOKENS, PREFIX_ROLE, PREFIX_TOKEN
 from kvservice.connector.prefix_export import NOTHING_EXPORTED, ExportedPrefix, export_prefix
 from kvservice.engine.llm import LLM
 from kvservice.server.errors import PeerNotAllowed
 from kvservice.server.kv_sources import prefix_source_params
 from kvservice.v1 import kvservice_pb2 as pb
+from kvservice.v1 import kvservice_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -192,6 +194,51 @@ async def test_the_prefill_worker_pulls_the_previous_turns_answer_from_the_decod
         assert stats[prefill].kv_offload.num_peer_pulls_failed == 0
         assert stats[decode].kv_offload.num_blocks_exported == 15
         assert stats[prefill].prefix_cache.hits >= len(turn1)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.timeout(240)
+async def test_a_launched_decode_worker_pulls_a_prefix_from_the_other_decode_worker() -> None:
+    """A stream that moves to the other decode worker, as a migration's does: `launch` tells its
+    decode workers about each other (a second --kv-peers line), so the one that lacks the
+    conversation pulls it from the one that served it, and computes only the rest."""
+    turn1 = make_prompt(10 * CLUSTER_BLOCK_SIZE, seed=220)
+    [answer] = tiny_greedy([turn1], 6 * CLUSTER_BLOCK_SIZE)
+    turn2 = turn1 + answer + make_prompt(8, seed=221)
+    [expected] = tiny_greedy([turn2], 8)
+    async with local_cluster("tiny", num_prefill=1, num_decode=2, worker_args=CLUSTER_ARGS) as cluster:
+        async with KVServiceClient(cluster.address) as client:
+            first = await client.complete(turn1, timeout=60, max_tokens=len(answer), temperature=0, ignore_eos=True)
+        assert list(first.token_ids) == answer
+        decoders = cluster.decode_addresses
+        stats = await wait_for_stats(
+            decoders, lambda s: sum(s[a].num_finished_requests for a in decoders) == 1, "the turn counted"
+        )
+        [holder] = [a for a in decoders if stats[a].num_finished_requests == 1]
+        [other] = [a for a in decoders if a != holder]
+        token = secrets.token_bytes(32)
+        async with grpc.aio.insecure_channel(holder) as channel:
+            exported = await pb_grpc.WorkerStub(channel).ExportKV(
+                pb.ExportKVRequest(request_id="moved", transfer_token=token, prompt_token_ids=turn2)
+            )
+        assert exported.num_tokens == 15 * CLUSTER_BLOCK_SIZE  # the turn and its answer but the last token
+        source = pb.PrefixSource(
+            remote_address=holder,
+            transfer_token=token,
+            num_tokens=exported.num_tokens,
+            last_block_hash=exported.last_block_hash,
+            source_role="decode",
+        )
+        request = build_request(turn2, request_id="moved", max_tokens=8, temperature=0, ignore_eos=True)
+        async with grpc.aio.insecure_channel(other) as channel:
+            responses = pb_grpc.WorkerStub(channel).Decode(pb.DecodeRequest(request=request, prefix_source=source))
+            tokens = [t async for response in responses for t in response.token_ids]
+        assert tokens == expected
+        after = await all_worker_stats([holder, other])
+        assert after[other].kv_offload.num_peer_blocks_from_decode == 15
+        assert after[other].kv_offload.num_peer_pulls_failed == 0
+        assert after[holder].kv_offload.num_blocks_exported == 15
 
 
 def test_a_prefix_source_is_checked_like_any_kv_peer() -> None:

@@ -195,18 +195,24 @@ async def test_a_peer_holding_little_more_than_the_prefill_worker_is_no_source(
     assert route.prefix_source is None
 
 
-async def test_a_migrated_stream_pulls_its_prompt_from_the_prefill_worker_only(
+async def test_a_decode_worker_that_prefills_itself_pulls_from_the_worker_that_holds_most(
     pools: tuple[WorkerPool, WorkerPool],
 ) -> None:
+    """A migrated stream (no prefill worker): its new decode worker pulls the prompt from whichever
+    worker caches most of it, a prefill worker or another decode worker."""
     prefill, decode = pools
     [p] = prefill.workers
     d0, d1 = decode.workers
     hold(p, PREFIX)
-    hold(d1, PREFIX + ANSWER)  # more, but a decode worker's --kv-peers allows prefill workers only
-    route = Router(prefill, decode, "kv-aware").route(PREFIX + [7], exclude_decode={d1.address}, use_prefill=False)
+    router = Router(prefill, decode, "kv-aware")
+    route = router.route(PREFIX + [7], exclude_decode={d1.address}, use_prefill=False)
     assert route.decode is d0 and route.prefill is None
     assert route.prefix_source is not None and route.prefix_source.worker is p
     assert route.prefix_source.role == "prefill"
+    hold(d1, PREFIX + ANSWER)
+    route = router.route(PREFIX + ANSWER + [7], exclude_decode={d1.address}, use_prefill=False)
+    assert route.decode is d0 and route.prefix_source is not None
+    assert route.prefix_source.worker is d1 and route.prefix_source.role == "decode"
 
 
 async def test_round_robin_or_a_zero_minimum_names_no_prefix_source(pools: tuple[WorkerPool, WorkerPool]) -> None:

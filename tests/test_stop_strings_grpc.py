@@ -142,3 +142,11 @@ async def test_proxy_keeps_text_the_decode_worker_released_with_its_first_token(
     assert without_first_token(response, "").text == "ab"
     assert without_first_token(response, "x").text == ""  # not a continuation: nothing is shown twice
     assert list(without_first_token(response, "a").token_ids) == []
+
+
+async def test_proxy_drops_the_first_tokens_text_from_a_merged_first_chunk() -> None:
+    # A decode stream that fell behind merges its first chunks: the prefill's token and the next
+    # ones in one response. Only the first token and its text go; the next tokens' text stays.
+    response = pb.GenerateResponse(token_ids=[7, 8, 9], text="'x'y")
+    rest = without_first_token(response, "'")
+    assert list(rest.token_ids) == [8, 9] and rest.text == "x'y"

@@ -83,6 +83,12 @@ class KVConnectorBase(abc.ABC):
         prompt token has to be computed here. Default: False."""
         return False
 
+    def loads_prefix_only(self, request: Request) -> bool:
+        """Whether the load `get_num_new_matched_tokens` matches for this waiting request brings only
+        leading blocks of its prompt and no first token (a prefix source): the request then computes
+        its prompt from the end of what arrived. Default: False (a load brings the whole prompt)."""
+        return False
+
     def has_kv_source(self, request: Request) -> bool:
         """Whether this connector may bring some of a waiting request's prompt KV (the scheduler
         then gives it the chance after an offload tier's load). Default: `supplies_first_token`."""

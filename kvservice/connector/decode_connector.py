@@ -152,6 +152,9 @@ class DecodeKVConnector(KVConnectorBase):
     def has_kv_source(self, request: Request) -> bool:
         return self._has_remote_prefill(request) or _has_prefix_source(request)
 
+    def loads_prefix_only(self, request: Request) -> bool:
+        return not self._has_remote_prefill(request) and _has_prefix_source(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if self._has_remote_prefill(request):
             # Possibly 0 (the whole prompt is cached here): the pull still brings the first token.
@@ -170,8 +173,8 @@ class DecodeKVConnector(KVConnectorBase):
     def _usable_prefix_tokens(self, request: Request) -> int:
         """How many leading prompt tokens the request's prefix source brings: 0 unless they are
         whole blocks, short of its last prompt token, and the last block's hash is its own."""
-        if not _has_prefix_source(request):
-            return 0
+        if not _has_prefix_source(request) or request.needs_prompt_logprobs:
+            return 0  # (every prompt position whose logprobs it reports must be computed here)
         params = request.kv_transfer_params
         assert params is not None
         num_tokens = int(params[PREFIX_NUM_TOKENS])

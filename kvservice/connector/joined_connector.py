@@ -50,6 +50,9 @@ class JoinedKVConnector(KVConnectorBase):
     def supplies_first_token(self, request: Request) -> bool:
         return self.loading.supplies_first_token(request)
 
+    def loads_prefix_only(self, request: Request) -> bool:
+        return self.loading.loads_prefix_only(request)
+
     def has_kv_source(self, request: Request) -> bool:
         return self.loading.has_kv_source(request)
 

@@ -67,7 +67,7 @@ class RemoteKVLoads:
         self.connector.update_state_after_alloc(request, block_ids, num_external)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.parked[request.request_id] = request
-        if not self.connector.supplies_first_token(request):
+        if self.connector.loads_prefix_only(request):
             self.prefix_ends[request.request_id] = num_cached + num_external
         return True
 

@@ -174,7 +174,8 @@ def first_response(request_id: str, first: pb.PrefillResponse) -> pb.GenerateRes
 def without_first_token(response: pb.GenerateResponse, sent_text: str) -> pb.GenerateResponse:
     """The decode worker's first token is the prefill's, already sent with `sent_text`: drop
     it and that text. Text past it stays: what the decode worker released on finishing
-    (held back in case it started a stop string), or the text of tokens after the first."""
+    (held back in case it started a stop string), or the text of tokens after the first, which
+    a chunk carries beside it when the stream fell behind (the decode worker merges them)."""
     rest = pb.GenerateResponse()
     rest.CopyFrom(response)
     del rest.token_ids[0]
@@ -183,8 +184,10 @@ def without_first_token(response: pb.GenerateResponse, sent_text: str) -> pb.Gen
     rest.ClearField("prompt_logprobs")  # the prefill's were sent
     rest.ClearField("prompt_token_ids")
     rest.ClearField("num_cached_tokens")
-    if not rest.token_ids:
-        rest.text = rest.text[len(sent_text) :] if rest.text.startswith(sent_text) else ""
+    if rest.text.startswith(sent_text):
+        rest.text = rest.text[len(sent_text) :]
+    elif not rest.token_ids:
+        rest.text = ""  # not a continuation of what was sent: nothing is shown twice
     return rest
 
 

@@ -21,8 +21,8 @@ Peer pulls (kv-aware only): when another worker, of either pool, caches at least
 worker, or the decode worker that prefills itself), the route names it as the prefix source:
 the proxy asks it to stage those blocks (ExportKV) and that worker pulls them instead of
 computing them (a decode worker holds the previous turn's answer too; a migrated stream's new
-decode worker finds its prompt on the prefill worker). A decode worker is offered prefill workers
-only, the peers its --kv-peers allows as `launch` starts it.
+decode worker finds its prompt on the prefill worker or another decode worker). A decode worker
+ignores a source its --kv-peers does not allow (`launch` allows every worker of its cluster).
 
 Conditional disaggregation (`--max-local-prefill-tokens N`, any policy): when the chosen
 decode worker lacks at most N tokens of the prompt, it prefills them itself and no prefill
@@ -170,11 +170,8 @@ class Router:
         ):
             prefillers = self.prefill.healthy if use_prefill else []
             prefill = self._pick(self.prefill, prefillers, token_ids, prefill_cost) if prefillers else None
-        # The worker that computes the prompt pulls from the peer that caches more of it. A decode
-        # worker pulls only from a prefill worker: its --kv-peers (as `launch` sets it) allows no other.
+        # The worker that computes the prompt pulls from the peer that caches more of it.
         computing = prefill if prefill is not None else decode
-        if prefill is None and peer is not None and token_ids is not None:
-            peer = self._best_cached(token_ids, where, ("prefill",))
         source = None
         if peer is not None and peer.worker is not computing:
             if peer.num_cached_tokens - where(computing).num_held_tokens >= self.peer_pull_min_tokens:
@@ -185,12 +182,11 @@ class Router:
         self,
         token_ids: Sequence[int],
         where: Callable[[WorkerHandle], PrefixLocation],
-        roles: Sequence[str] = ("decode", "prefill"),
     ) -> PrefixSource | None:
-        """The healthy worker of the pools of `roles` whose cache holds the longest run of the prompt."""
+        """The healthy worker, of either pool, whose cache holds the longest run of the prompt."""
         best: PrefixSource | None = None
-        for role in roles:
-            for worker in (self.decode if role == "decode" else self.prefill).healthy:
+        for role, pool in (("decode", self.decode), ("prefill", self.prefill)):
+            for worker in pool.healthy:
                 num_cached = where(worker).num_cached_tokens
                 if num_cached and (best is None or num_cached > best.num_cached_tokens):
                     best = PrefixSource(worker, role, num_cached)
