@@ -150,3 +150,11 @@ async def test_proxy_drops_the_first_tokens_text_from_a_merged_first_chunk() -> 
     response = pb.GenerateResponse(token_ids=[7, 8, 9], text="'x'y")
     rest = without_first_token(response, "'")
     assert list(rest.token_ids) == [8, 9] and rest.text == "x'y"
+    # The pulled first token has no logprobs on the decode worker: the ones there are the next tokens'.
+    with_logprobs = pb.GenerateResponse(token_ids=[7, 8, 9], logprobs=[pb.Logprobs(), pb.Logprobs()])
+    with_logprobs.logprobs[0].logprob, with_logprobs.logprobs[1].logprob = -1.0, -2.0
+    rest = without_first_token(with_logprobs, "")
+    assert [lp.logprob for lp in rest.logprobs] == [-1.0, -2.0]
+    # Recomputed there, the first token has its own, and they go with it.
+    with_logprobs.logprobs.add().logprob = -3.0
+    assert [lp.logprob for lp in without_first_token(with_logprobs, "").logprobs] == [-2.0, -3.0]

@@ -178,9 +178,11 @@ def without_first_token(response: pb.GenerateResponse, sent_text: str) -> pb.Gen
     a chunk carries beside it when the stream fell behind (the decode worker merges them)."""
     rest = pb.GenerateResponse()
     rest.CopyFrom(response)
-    del rest.token_ids[0]
-    if rest.logprobs:
+    # The first token's logprobs are there only where the decode worker computed that token (a
+    # recompute); a pulled first token comes without, and the logprobs are the next tokens'.
+    if rest.logprobs and len(rest.logprobs) == len(rest.token_ids):
         del rest.logprobs[0]
+    del rest.token_ids[0]
     rest.ClearField("prompt_logprobs")  # the prefill's were sent
     rest.ClearField("prompt_token_ids")
     rest.ClearField("num_cached_tokens")
