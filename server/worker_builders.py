@@ -88,11 +88,7 @@ async def build_prefill_worker(
     connector = JoinedKVConnector(PrefillKVConnector(registry), _pulling_connector(args, layout, tls))
     engine, async_engine, kv_events = await _load_engine(args, config, connector, LeaseRole.YIELDING, layout)
     connector.loading.on_load_done = async_engine.wake
-    server = GrpcServer(
-        [SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], tls.server_credentials(), _interceptors(args)
-    )
-    transfer_service = KVTransferService(registry)
-    server.server.add_generic_rpc_handlers([transfer_service.handler()])
+    server, transfer_service = _serving_pulls(args, tls, registry)
     metrics = ServerMetrics(args.role)
     service = PrefillWorkerService(
         async_engine, registry, metrics=metrics, kv_events=kv_events, kv_sending=transfer_service.stats
@@ -112,6 +108,18 @@ async def build_prefill_worker(
     )  # fmt: skip
 
 
+def _serving_pulls(
+    args: argparse.Namespace, tls: TLSFiles, registry: TransferRegistry
+) -> tuple[GrpcServer, KVTransferService]:
+    """A server for the Worker service (added by the caller) and KVTransfer.PullKV of `registry`'s transfers."""
+    server = GrpcServer(
+        [SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], tls.server_credentials(), _interceptors(args)
+    )
+    transfer_service = KVTransferService(registry)
+    server.server.add_generic_rpc_handlers([transfer_service.handler()])
+    return server, transfer_service
+
+
 async def build_decode_worker(
     args: argparse.Namespace, config: EngineConfig, layout: KVCacheLayout, tls: TLSFiles
 ) -> Worker:
@@ -127,12 +135,8 @@ async def build_decode_worker(
         raise
     kv_peers = await reading_kv_peers
     connector.on_load_done = async_engine.wake
-    server = GrpcServer(
-        [SERVICE_NAMES["worker"], SERVICE_NAMES["kv_transfer"]], tls.server_credentials(), _interceptors(args)
-    )
     registry = _transfer_registry(args, config, layout)
-    transfer_service = KVTransferService(registry)
-    server.server.add_generic_rpc_handlers([transfer_service.handler()])
+    server, transfer_service = _serving_pulls(args, tls, registry)
     metrics = ServerMetrics(args.role)
     service = DecodeWorkerService(
         async_engine,
