@@ -7,7 +7,8 @@ into the batch as the engine hands them over (`AsyncLLMEngine.run`: no task swit
 so a batch holds the whole step: one gRPC message a step instead of one a token (gRPC's asyncio
 API costs ~35-45 us of CPU a message on each side here: scripts/token_stream_cost.py).
 
-The worker dials only the prefill workers it may trust (`kv_sources.check_kv_peer`).
+The worker dials only the workers it may trust (`kv_sources.check_kv_peer`): its prefill
+workers, and the peers a prompt's prefix may come from.
 """
 
 from __future__ import annotations

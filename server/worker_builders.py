@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 # --kv-staging-mib's default per role: a prefill worker stages every prompt it computes, a decode
 # worker only the prefixes it exports to peers.
-DEFAULT_STAGING_MIB = {"prefill": 256, "decode": 64, "both": 64}
+DEFAULT_STAGING_MIB = {"prefill": 256, "decode": 64}
 
 
 class StartupError(RuntimeError):

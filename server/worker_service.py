@@ -73,15 +73,17 @@ class EngineWorkerService(pb_grpc.WorkerServicer):
         except Exception as e:
             await abort_with(context, e)
 
-    async def ExportKV(self, request: pb.ExportKVRequest, context: grpc.aio.ServicerContext) -> pb.ExportKVResponse:
-        registry = self.registry
-        if registry is None:
+    async def _registry(self, context: grpc.aio.ServicerContext) -> TransferRegistry:
+        """The registry the transfer RPCs act on; UNIMPLEMENTED on a worker without one."""
+        if self.registry is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker serves no KV pulls")
             raise AssertionError  # abort raises
+        return self.registry
+
+    async def ExportKV(self, request: pb.ExportKVRequest, context: grpc.aio.ServicerContext) -> pb.ExportKVResponse:
+        registry = await self._registry(context)
         try:
-            check_request_id(request.request_id)
-            if not request.transfer_token:
-                raise ValueError("transfer_token: empty")
+            check_transfer_id(request.request_id, request.transfer_token)
             token_ids = list(request.prompt_token_ids)
 
             def export(engine: LLMEngine) -> pb.ExportKVResponse:
@@ -99,13 +101,16 @@ class EngineWorkerService(pb_grpc.WorkerServicer):
             raise  # abort raises; this line is never reached
 
     async def ReleaseKV(self, request: pb.ReleaseKVRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseKVResponse:
-        if self.registry is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker serves no KV pulls")
+        registry = await self._registry(context)
         try:
-            check_request_id(request.request_id)
-            if not request.transfer_token:
-                raise ValueError("transfer_token: empty")
+            check_transfer_id(request.request_id, request.transfer_token)
         except ValueError as e:
             await abort_with(context, e)
-        assert self.registry is not None
-        return pb.ReleaseKVResponse(was_staged=self.registry.release(request.request_id, request.transfer_token))
+        return pb.ReleaseKVResponse(was_staged=registry.release(request.request_id, request.transfer_token))
+
+
+def check_transfer_id(request_id: str, transfer_token: bytes) -> None:
+    """Raise ValueError unless a transfer RPC names a valid request id and a token."""
+    check_request_id(request_id)
+    if not transfer_token:
+        raise ValueError("transfer_token: empty")

@@ -159,6 +159,8 @@ class DecodeKVConnector(KVConnectorBase):
         if self._has_remote_prefill(request):
             # Possibly 0 (the whole prompt is cached here): the pull still brings the first token.
             return request.num_prompt_tokens - num_computed_tokens, True
+        if not _has_prefix_source(request):
+            return 0, False
         num_prefix_tokens = self._usable_prefix_tokens(request)
         if num_prefix_tokens > num_computed_tokens:
             return num_prefix_tokens - num_computed_tokens, True
@@ -171,10 +173,10 @@ class DecodeKVConnector(KVConnectorBase):
         return params is not None and REMOTE_ADDRESS in params and not request.output_token_ids
 
     def _usable_prefix_tokens(self, request: Request) -> int:
-        """How many leading prompt tokens the request's prefix source brings: 0 unless they are
+        """How many leading prompt tokens the request's prefix source (it has one) brings: 0 unless they are
         whole blocks, short of its last prompt token, and the last block's hash is its own."""
-        if not _has_prefix_source(request) or request.needs_prompt_logprobs:
-            return 0  # (every prompt position whose logprobs it reports must be computed here)
+        if request.needs_prompt_logprobs:
+            return 0  # every prompt position whose logprobs it reports must be computed here
         params = request.kv_transfer_params
         assert params is not None
         num_tokens = int(params[PREFIX_NUM_TOKENS])

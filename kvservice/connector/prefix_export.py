@@ -49,12 +49,7 @@ def cached_prefix_blocks(kv: KVCacheManager, token_ids: Sequence[int]) -> tuple[
     if not kv.enable_caching or len(token_ids) < 2:
         return [], []
     hashes = block_hashes(token_ids[: len(token_ids) - 1], kv.block_size, kv.hash_seed)
-    block_ids: list[int] = []
-    for block_hash in hashes:
-        block_id = kv.block_pool.get_cached_block(block_hash)
-        if block_id is None:
-            break
-        block_ids.append(block_id)
+    block_ids = kv.cached_run(hashes)
     return block_ids, hashes[: len(block_ids)]
 
 
@@ -84,13 +79,17 @@ def export_prefix(
     transfer = registry.pin(request_id)
     if transfer is None:  # released before the copy started
         return NOTHING_EXPORTED
+    # Every layer copies the same blocks: each chunk's index, made once.
+    device = kv_caches[0].device
+    chunks = [
+        (start, torch.tensor(block_ids[start : start + BLOCKS_PER_CHUNK], dtype=torch.long, device=device))
+        for start in range(0, len(block_ids), BLOCKS_PER_CHUNK)
+    ]
     try:
         for layer in range(layout.num_layers):
-            for start in range(0, len(block_ids), BLOCKS_PER_CHUNK):
-                ids = block_ids[start : start + BLOCKS_PER_CHUNK]
-                chunk, dst = registry.chunk_buffer(transfer, layer, start, len(ids))
-                kv_layer = kv_caches[layer]
-                index = torch.tensor(ids, dtype=torch.long, device=kv_layer.device)
+            kv_layer = kv_caches[layer]
+            for start, index in chunks:
+                chunk, dst = registry.chunk_buffer(transfer, layer, start, len(index))
                 if kv_layer.device == dst.device:
                     torch.index_select(kv_layer, 1, index, out=dst)
                 else:  # a GPU cache into host staging

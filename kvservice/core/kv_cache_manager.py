@@ -10,7 +10,7 @@ conversation's next turn finds the last answer).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvservice.core.block_hash import extend_block_hashes, hash_seed
 from kvservice.core.block_pool import BlockPool
@@ -56,8 +56,14 @@ class KVCacheManager:
         `max_tokens` of them (whole blocks). Nothing is taken yet: pass them to `allocate_slots`."""
         if not self.enable_caching:
             return []
+        return self.cached_run(self.block_hashes(request)[: max_tokens // self.block_size])
+
+    def cached_run(self, block_hashes: Sequence[int]) -> list[int]:
+        """The cached blocks of the longest leading run of `block_hashes` (none without caching)."""
         hit: list[int] = []
-        for block_hash in self.block_hashes(request)[: max_tokens // self.block_size]:
+        if not self.enable_caching:
+            return hit
+        for block_hash in block_hashes:
             block_id = self.block_pool.get_cached_block(block_hash)
             if block_id is None:
                 break

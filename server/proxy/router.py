@@ -83,7 +83,7 @@ def _missing_cost(num_tokens: int, held: PrefixLocation, num_peer_tokens: int = 
 
 @dataclass(frozen=True, slots=True)
 class PrefixSource:
-    """A worker whose cache holds more of the prompt than the prefill worker: a peer pull's source."""
+    """A worker whose cache holds more of the prompt than the worker that computes it: a peer pull's source."""
 
     worker: WorkerHandle
     role: str  # its pool's
@@ -137,10 +137,13 @@ class Router:
         if not decoders:
             raise NoWorkerAvailable("no healthy decode worker")
         hashes: dict[tuple[int, int], list[int]] = {}
+        located: dict[int, PrefixLocation] = {}  # per worker: the costs, the peer and the source ask again
 
         def where(worker: WorkerHandle) -> PrefixLocation:
             assert token_ids is not None
-            return worker.kv_index.locate(token_ids, hashes)
+            if (location := located.get(id(worker))) is None:
+                location = located[id(worker)] = worker.kv_index.locate(token_ids, hashes)
+            return location
 
         def pull_cost(worker: WorkerHandle) -> float:
             assert token_ids is not None
